@@ -1,0 +1,190 @@
+"""The driver contract: one Driver instance controls one VMM process.
+
+Drivers differ only where the VMMs differ (QMP vs Firecracker's REST API). The
+public methods here wrap the ``_``-prefixed ones a driver implements: they keep
+the process bookkeeping and guarantee that a failed start leaves no process
+behind.
+
+Lifecycle of one instance::
+
+    boot(spec) | restore(snapshot, spec) | adopt(record)
+        -> pause() / resume() / snapshot(dest)  (any order the VMM allows)
+        -> destroy()                             (idempotent; kills the VMM)
+
+``snapshot`` leaves the VM paused; the caller decides to resume or destroy it.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import ClassVar
+
+from vmctl.errors import VMGoneError, VMStartError
+from vmctl.spec import Accel, SnapshotFiles, VMMRecord, VMSpec
+
+log = logging.getLogger(__name__)
+
+
+class Driver(abc.ABC):
+    name: ClassVar[str]
+
+    def __init__(self) -> None:
+        self.spec: VMSpec | None = None
+        self.pid: int | None = None
+        self.control_socket: Path | None = None
+        self.started_at: float = 0.0
+        self.last_error: BaseException | None = None
+        self._proc: asyncio.subprocess.Process | None = None
+
+    # -- public API -------------------------------------------------------
+
+    @property
+    def accel(self) -> Accel | None:
+        return self.spec.accel if self.spec else None
+
+    async def boot(self, spec: VMSpec) -> None:
+        """Start a fresh VM from its kernel and disk."""
+        await self._start(spec, self._boot)
+
+    async def restore(self, snapshot: SnapshotFiles, spec: VMSpec) -> None:
+        """Start a new VMM process from ``snapshot`` and leave the guest running."""
+        await self._start(spec, lambda s: self._restore(snapshot, s))
+
+    async def adopt(self, record: VMMRecord, spec: VMSpec) -> None:
+        """Take control of a VMM that a previous daemon started (raises VMGoneError if dead)."""
+        if not pid_alive(record.pid):
+            raise VMGoneError(f"VMM pid {record.pid} is not running")
+        self.spec, self.pid = spec, record.pid
+        self.control_socket = Path(record.control_socket)
+        self.started_at = record.started_at
+        await self._adopt(record)
+
+    async def pause(self) -> None:
+        await self._pause()
+
+    async def resume(self) -> None:
+        await self._resume()
+
+    async def snapshot(self, dest: Path) -> SnapshotFiles:
+        """Pause the VM and save device state (+ memory where the VMM needs it) under dest."""
+        dest.mkdir(parents=True, exist_ok=True)
+        return await self._snapshot(dest)
+
+    async def destroy(self) -> None:
+        """Stop the VMM for good. Idempotent, safe under cancellation."""
+        try:
+            await asyncio.shield(self._destroy())
+        finally:
+            self.pid = None
+
+    def record(self) -> VMMRecord:
+        assert self.spec and self.pid and self.control_socket
+        return VMMRecord(self.name, self.pid, str(self.control_socket), str(self.spec.workdir),
+                         self.spec.accel.value, self.started_at)
+
+    def alive(self) -> bool:
+        return self.pid is not None and pid_alive(self.pid)
+
+    # -- shared mechanics ---------------------------------------------------
+
+    async def _start(self, spec: VMSpec, how) -> None:  # type: ignore[no-untyped-def]
+        self.spec = spec
+        spec.workdir.mkdir(parents=True, exist_ok=True)
+        self.started_at = time.time()
+        try:
+            await how(spec)
+        except BaseException as exc:
+            self.last_error = exc
+            await asyncio.shield(self._destroy())
+            self.pid = None
+            if isinstance(exc, (asyncio.CancelledError, VMStartError)) or not isinstance(exc, Exception):
+                raise
+            raise VMStartError(f"{self.name}: {exc}") from exc
+
+    async def _destroy(self) -> None:
+        """Ask the VMM to quit, then make sure the process is gone."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._quit(), 2.0)
+        await self._reap(timeout=3.0)
+        self._cleanup_files()
+
+    async def _reap(self, timeout: float) -> None:
+        pid = self.pid
+        if pid is None:
+            return
+        if self._proc is not None:
+            try:
+                await asyncio.wait_for(self._proc.wait(), timeout)
+            except asyncio.TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    self._proc.kill()
+                await self._proc.wait()
+            return
+        await kill_pid(pid, timeout)
+
+    def _cleanup_files(self) -> None:
+        if self.control_socket is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.control_socket.unlink()
+
+    # -- what each VMM implements ------------------------------------------------
+
+    @abc.abstractmethod
+    async def _boot(self, spec: VMSpec) -> None: ...
+
+    @abc.abstractmethod
+    async def _restore(self, snapshot: SnapshotFiles, spec: VMSpec) -> None: ...
+
+    @abc.abstractmethod
+    async def _adopt(self, record: VMMRecord) -> None: ...
+
+    @abc.abstractmethod
+    async def _pause(self) -> None: ...
+
+    @abc.abstractmethod
+    async def _resume(self) -> None: ...
+
+    @abc.abstractmethod
+    async def _snapshot(self, dest: Path) -> SnapshotFiles: ...
+
+    @abc.abstractmethod
+    async def _quit(self) -> None:
+        """Ask the VMM to exit (best effort; the base class kills it if this fails)."""
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie still answers kill(0); treat it as dead.
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().split(b") ", 1)[1][:1] != b"Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+async def kill_pid(pid: int, timeout: float) -> None:
+    """Wait for a non-child pid to exit; SIGTERM then SIGKILL if it does not."""
+    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+        if sig is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not pid_alive(pid):
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+                return
+            await asyncio.sleep(0.02)
+    log.error("pid %d survived SIGKILL", pid)

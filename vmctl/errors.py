@@ -1,0 +1,58 @@
+"""Errors raised by vmctl. Each carries a stable ``code`` and an HTTP status hint
+(the gateway maps them to responses in one place)."""
+
+from __future__ import annotations
+
+
+class VmctlError(Exception):
+    code = "vm_error"
+    status = 500
+
+
+class VMStartError(VmctlError):
+    """The VMM process could not be started or exited during start-up."""
+
+    code = "vm_start_failed"
+    status = 502
+
+
+class VMProtocolError(VmctlError):
+    """The VMM's control channel (QMP, Firecracker API) answered with an error."""
+
+    code = "vmm_protocol_error"
+    status = 502
+
+
+class VMTimeoutError(VmctlError):
+    """A VMM or guest operation did not finish in time."""
+
+    code = "vm_timeout"
+    status = 504
+
+
+class VMGoneError(VmctlError):
+    """The VMM process is not running (crashed, killed, or already destroyed)."""
+
+    code = "vm_gone"
+    status = 502
+
+
+class SnapshotError(VmctlError):
+    """A snapshot is missing, incomplete, corrupt (SHA256 mismatch) or incompatible."""
+
+    code = "snapshot_invalid"
+    status = 502
+
+
+class NetworkError(VmctlError):
+    """Setting up or tearing down a sandbox's namespace, veth or TAP failed."""
+
+    code = "network_error"
+    status = 500
+
+
+class ImageError(VmctlError):
+    """A template image (kernel, rootfs, golden snapshot) is missing or broken."""
+
+    code = "image_error"
+    status = 500
