@@ -1,0 +1,173 @@
+"""QEMU ``microvm`` driver, controlled over QMP.
+
+Memory model: guest RAM is a ``memory-backend-file`` with ``share=on`` on the
+VM's own file (``spec.mem_file``). Snapshots set the ``x-ignore-shared``
+migration capability, so the migration stream holds only device state (tens of
+KiB, milliseconds) and RAM stays in that file. Restoring maps the same file
+again, so a wake is: start QEMU with ``-incoming defer``, stream the device
+state in, and let the guest run; pages load on demand.
+
+The command line must be identical between save and restore (device order
+fixes each virtio-mmio transport), so both paths build it with ``qemu_argv``;
+only ``-incoming`` is appended on restore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+from pathlib import Path
+
+from vmctl.driver import Driver
+from vmctl.errors import SnapshotError, VMProtocolError, VMStartError, VMTimeoutError
+from vmctl.qmp import QMPClient
+from vmctl.spec import Accel, SnapshotFiles, VMMRecord, VMSpec
+
+QEMU_BINARY = "qemu-system-x86_64"
+STATE_FILE = "vmstate"
+_MIGRATION_POLL_S = 0.002
+
+
+def qemu_argv(spec: VMSpec, qmp_socket: Path, binary: str = QEMU_BINARY) -> list[str]:
+    """The full QEMU command line for ``spec`` (no ``-incoming``)."""
+    accel = ["-accel", "kvm", "-cpu", "host"] if spec.accel is Accel.KVM else \
+        ["-accel", "tcg,tb-size=64", "-cpu", "max"]
+    argv = [
+        binary, "-M", "microvm,memory-backend=mem0", *accel,
+        "-m", f"{spec.mem_mib}M", "-smp", str(spec.vcpus),
+        "-object", f"memory-backend-file,id=mem0,size={spec.mem_mib}M,"
+                   f"mem-path={spec.mem_file},share=on",
+        "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+        "-kernel", str(spec.kernel), "-append", spec.cmdline,
+        "-drive", f"id=root,file={spec.disk},format={_disk_format(spec.disk)},if=none,"
+                  "discard=unmap",
+        "-device", "virtio-blk-device,drive=root",
+        "-device", "virtio-rng-device",
+        "-serial", f"file:{spec.workdir / 'console.log'}",
+        "-qmp", f"unix:{qmp_socket},server=on,wait=off",
+    ]
+    if spec.initrd is not None:
+        argv[argv.index("-append"):argv.index("-append")] = ["-initrd", str(spec.initrd)]
+    if spec.netns is not None:
+        argv += ["-netdev", f"tap,id=n0,ifname={spec.tap},script=no,downscript=no",
+                 "-device", f"virtio-net-device,netdev=n0,mac={spec.mac}"]
+    return argv
+
+
+def _disk_format(disk: Path) -> str:
+    return "qcow2" if disk.suffix == ".qcow2" else "raw"
+
+
+class QemuDriver(Driver):
+    name = "qemu"
+
+    def __init__(self, binary: str = QEMU_BINARY) -> None:
+        super().__init__()
+        self.binary = binary
+        self._qmp = QMPClient()
+
+    async def _boot(self, spec: VMSpec) -> None:
+        await self._spawn(spec, [])
+
+    async def _restore(self, snapshot: SnapshotFiles, spec: VMSpec) -> None:
+        if snapshot.driver != self.name:
+            raise SnapshotError(f"snapshot was taken by {snapshot.driver!r}, not qemu")
+        if snapshot.accel is not spec.accel:
+            raise SnapshotError(f"snapshot was taken under {snapshot.accel.value}, "
+                                f"this host runs {spec.accel.value}")
+        if not snapshot.state.is_file():
+            raise SnapshotError(f"snapshot state {snapshot.state} is missing")
+        await self._spawn(spec, ["-incoming", "defer"])
+        await self._qmp.execute("migrate-set-capabilities", {"capabilities": [
+            {"capability": "x-ignore-shared", "state": True}]})
+        await self._qmp.execute("migrate-incoming",
+                                {"uri": "exec:cat " + shlex.quote(str(snapshot.state))})
+        # Without -S QEMU starts the guest itself once the stream is loaded.
+        await self._wait_running(timeout=30.0)
+
+    async def _adopt(self, record: VMMRecord) -> None:
+        await self._qmp.connect(Path(record.control_socket), timeout=5.0)
+
+    async def _pause(self) -> None:
+        await self._qmp.execute("stop")
+
+    async def _resume(self) -> None:
+        await self._qmp.execute("cont")
+
+    async def _snapshot(self, dest: Path) -> SnapshotFiles:
+        assert self.spec is not None
+        tmp, final = dest / (STATE_FILE + ".tmp"), dest / STATE_FILE
+        await self._qmp.execute("migrate-set-capabilities", {"capabilities": [
+            {"capability": "x-ignore-shared", "state": True}]})
+        await self._qmp.execute("migrate-set-parameters", {"max-bandwidth": 1 << 40})
+        await self._qmp.execute("stop")
+        await self._qmp.execute("migrate", {"uri": "exec:cat > " + shlex.quote(str(tmp))})
+        await self._wait_migration(timeout=120.0)
+        os.replace(tmp, final)
+        return SnapshotFiles(state=final, memory=self.spec.mem_file, disk=self.spec.disk,
+                             accel=self.spec.accel, driver=self.name)
+
+    async def _quit(self) -> None:
+        try:
+            await self._qmp.execute("quit", timeout=2.0)
+        finally:
+            await self._qmp.close()
+
+    # -- helpers ---------------------------------------------------------------
+
+    async def _spawn(self, spec: VMSpec, extra: list[str]) -> None:
+        self.control_socket = spec.workdir / "qmp.sock"
+        self.control_socket.unlink(missing_ok=True)
+        argv = qemu_argv(spec, self.control_socket, self.binary) + extra
+        if spec.netns is not None:
+            argv = ["ip", "netns", "exec", spec.netns, *argv]
+        log_path = spec.workdir / "vmm.log"
+        with open(log_path, "ab") as log_file:
+            # A new session: the VMM must outlive the daemon (it is re-adopted on restart).
+            self._proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+                start_new_session=True)
+        self.pid = self._proc.pid
+        try:
+            await self._qmp.connect(self.control_socket, timeout=10.0)
+        except Exception as exc:
+            tail = _tail(log_path)
+            raise VMStartError(f"QEMU did not come up: {exc}; log: {tail}") from exc
+
+    async def _wait_running(self, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            status = await self._qmp.execute("query-status")
+            if status.get("status") == "running":
+                return
+            if status.get("status") not in ("inmigrate", "paused", "prelaunch"):
+                raise VMProtocolError(f"restore ended in state {status.get('status')!r}")
+            if loop.time() > deadline:
+                raise VMTimeoutError(f"restore did not finish within {timeout}s")
+            await asyncio.sleep(_MIGRATION_POLL_S)
+
+    async def _wait_migration(self, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            info = await self._qmp.execute("query-migrate")
+            status = info.get("status")
+            if status == "completed":
+                return
+            if status in ("failed", "cancelled"):
+                raise SnapshotError(f"migration {status}: {info.get('error-desc', '')}")
+            if loop.time() > deadline:
+                raise VMTimeoutError(f"snapshot did not finish within {timeout}s")
+            await asyncio.sleep(_MIGRATION_POLL_S)
+
+
+def _tail(path: Path, limit: int = 800) -> str:
+    try:
+        return path.read_bytes()[-limit:].decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+__all__ = ["QemuDriver", "qemu_argv", "VMStartError"]

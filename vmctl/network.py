@@ -1,0 +1,165 @@
+"""Per-sandbox networking: a network namespace holding the VM's TAP, joined to
+the host by a veth pair, with nftables inside the namespace.
+
+Every VM sees the same fixed addresses (``guest.protocol``: TAP 169.254.0.22,
+guest 169.254.0.21), so any number of clones of one snapshot work. What makes a
+sandbox reachable is its *slot*: a /30 out of a configurable link-local pool.
+The host end of the veth holds ``.1``, the namespace end ``.2``; traffic from
+the host to ``.2`` is DNAT'ed to the guest. Egress is denied by default: the
+namespace forwards only host->guest connections (and their replies), and the
+guest cannot open connections to the namespace, the host or other guests.
+
+All netlink work goes through pyroute2 in a worker thread (it is blocking).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import subprocess
+from dataclasses import dataclass
+
+from pyroute2 import IPRoute, NetNS, netns
+from pyroute2.netlink.exceptions import NetlinkError
+
+from guest.protocol import GUEST_ADDR, PREFIX_LEN, TAP_ADDR, TAP_NAME
+from vmctl.errors import NetworkError
+
+log = logging.getLogger(__name__)
+
+NETNS_PREFIX = "agentbox-"
+NS_IF = "veth0"
+
+
+@dataclass(frozen=True)
+class NetSlot:
+    index: int
+    netns: str
+    host_if: str
+    host_addr: str  # the host's end of the veth
+    guest_addr: str  # what the host connects to (DNAT'ed to the guest)
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    pool: str = "169.254.128.0/17"
+    allow_egress: bool = False
+
+    def __post_init__(self) -> None:
+        net = ipaddress.ip_network(self.pool)
+        if net.version != 4 or net.prefixlen > 30:
+            raise ValueError(f"network.pool must be an IPv4 network of /30 or larger: {self.pool}")
+        fixed = ipaddress.ip_network(f"{TAP_ADDR}/{PREFIX_LEN}", strict=False)
+        if net.overlaps(fixed):
+            raise ValueError(f"network.pool {self.pool} overlaps the guest's fixed {fixed}")
+
+    @property
+    def capacity(self) -> int:
+        return ipaddress.ip_network(self.pool).num_addresses // 4
+
+
+def slot_for(index: int, vm_id: str, config: NetworkConfig) -> NetSlot:
+    if not 0 <= index < config.capacity:
+        raise NetworkError(f"slot {index} outside pool {config.pool} ({config.capacity} slots)")
+    base = ipaddress.ip_network(config.pool).network_address + 4 * index
+    return NetSlot(index=index, netns=NETNS_PREFIX + vm_id, host_if=f"abh{index}",
+                   host_addr=str(base + 1), guest_addr=str(base + 2))
+
+
+def nft_ruleset(slot: NetSlot, allow_egress: bool) -> str:
+    egress = (f'iifname "{TAP_NAME}" oifname "{NS_IF}" ip daddr != 169.254.0.0/16 accept'
+              if allow_egress else "")
+    masq = f'oifname "{NS_IF}" ip saddr {GUEST_ADDR} masquerade' if allow_egress else ""
+    return f"""
+table ip agentbox {{
+  chain prerouting {{
+    type nat hook prerouting priority dstnat; policy accept;
+    iifname "{NS_IF}" ip daddr {slot.guest_addr} dnat to {GUEST_ADDR}
+  }}
+  chain postrouting {{
+    type nat hook postrouting priority srcnat; policy accept;
+    {masq}
+  }}
+  chain forward {{
+    type filter hook forward priority filter; policy drop;
+    ct state established,related accept
+    iifname "{NS_IF}" oifname "{TAP_NAME}" ip daddr {GUEST_ADDR} accept
+    {egress}
+  }}
+  chain input {{
+    type filter hook input priority filter; policy accept;
+    iifname "{TAP_NAME}" ct state new drop
+  }}
+}}
+"""
+
+
+def _setup(slot: NetSlot, allow_egress: bool) -> None:
+    netns.create(slot.netns)
+    with IPRoute() as host:
+        host.link("add", ifname=slot.host_if, kind="veth",
+                  peer={"ifname": NS_IF, "net_ns_fd": slot.netns})
+        idx = host.link_lookup(ifname=slot.host_if)[0]
+        host.addr("add", index=idx, address=slot.host_addr, prefixlen=30)
+        host.link("set", index=idx, state="up")
+    with NetNS(slot.netns) as ns:
+        ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+        veth = ns.link_lookup(ifname=NS_IF)[0]
+        ns.addr("add", index=veth, address=slot.guest_addr, prefixlen=30)
+        ns.link("set", index=veth, state="up")
+        ns.link("add", ifname=TAP_NAME, kind="tuntap", mode="tap")
+        tap = ns.link_lookup(ifname=TAP_NAME)[0]
+        ns.addr("add", index=tap, address=TAP_ADDR, prefixlen=PREFIX_LEN)
+        ns.link("set", index=tap, state="up")
+        ns.route("add", dst="0.0.0.0/0", gateway=slot.host_addr)
+    script = "echo 1 > /proc/sys/net/ipv4/ip_forward && nft -f -"
+    proc = subprocess.run(["ip", "netns", "exec", slot.netns, "sh", "-c", script],
+                          input=nft_ruleset(slot, allow_egress).encode(), capture_output=True,
+                          timeout=30)
+    if proc.returncode != 0:
+        raise NetworkError(f"nftables in {slot.netns}: {proc.stderr.decode().strip()}")
+
+
+def _teardown(slot: NetSlot) -> None:
+    # Deleting the namespace destroys the TAP and both veth ends with it.
+    if slot.netns in netns.listnetns():
+        netns.remove(slot.netns)
+    with IPRoute() as host:
+        for idx in host.link_lookup(ifname=slot.host_if):
+            try:
+                host.link("del", index=idx)
+            except NetlinkError as exc:
+                if exc.code != 19:  # ENODEV: went away with the namespace
+                    raise
+
+
+async def create(slot: NetSlot, config: NetworkConfig) -> None:
+    """Create the namespace, veth pair, TAP and firewall for ``slot`` (rolled back on failure)."""
+    try:
+        await asyncio.to_thread(_setup, slot, config.allow_egress)
+    except BaseException as exc:
+        await asyncio.shield(asyncio.to_thread(_teardown_quiet, slot))
+        if isinstance(exc, (NetlinkError, OSError, subprocess.SubprocessError)):
+            raise NetworkError(f"setting up {slot.netns}: {exc}") from exc
+        raise
+
+
+async def destroy(slot: NetSlot) -> None:
+    """Remove everything ``create`` made. Idempotent."""
+    try:
+        await asyncio.shield(asyncio.to_thread(_teardown, slot))
+    except (NetlinkError, OSError) as exc:
+        raise NetworkError(f"tearing down {slot.netns}: {exc}") from exc
+
+
+def _teardown_quiet(slot: NetSlot) -> None:
+    try:
+        _teardown(slot)
+    except Exception:  # best effort during rollback; the original error wins
+        log.exception("rollback of %s failed", slot.netns)
+
+
+def list_namespaces() -> list[str]:
+    """Names of every agentbox namespace on the host (for reconciliation)."""
+    return [n for n in netns.listnetns() if n.startswith(NETNS_PREFIX)]
