@@ -36,6 +36,8 @@ TAP_ADDR = "169.254.0.22"
 GUEST_ADDR = "169.254.0.21"
 PREFIX_LEN = 30
 GUEST_MAC = "06:00:ac:10:00:02"
+# The TAP keeps one MAC in every namespace, so a restored guest's ARP cache stays valid.
+TAP_MAC = "06:00:ac:10:00:01"
 
 # Output of one exec beyond this many bytes per stream is dropped (flagged truncated).
 MAX_OUTPUT_BYTES = 8 * 1024 * 1024

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pyroute2 import IPRoute, NetNS, netns
 from pyroute2.netlink.exceptions import NetlinkError
 
-from guest.protocol import GUEST_ADDR, PREFIX_LEN, TAP_ADDR, TAP_NAME
+from guest.protocol import GUEST_ADDR, PREFIX_LEN, TAP_ADDR, TAP_MAC, TAP_NAME
 from vmctl.errors import NetworkError
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,9 @@ def slot_for(index: int, vm_id: str, config: NetworkConfig) -> NetSlot:
     if not 0 <= index < config.capacity:
         raise NetworkError(f"slot {index} outside pool {config.pool} ({config.capacity} slots)")
     base = ipaddress.ip_network(config.pool).network_address + 4 * index
-    return NetSlot(index=index, netns=NETNS_PREFIX + vm_id, host_if=f"abh{index}",
+    # The host-side name derives from the address, so two daemons with different pools
+    # on one host can never collide on interface names.
+    return NetSlot(index=index, netns=NETNS_PREFIX + vm_id, host_if=f"ab{int(base) & 0xffffff:06x}",
                    host_addr=str(base + 1), guest_addr=str(base + 2))
 
 
@@ -110,6 +112,7 @@ def _setup(slot: NetSlot, allow_egress: bool) -> None:
         ns.link("set", index=veth, state="up")
         ns.link("add", ifname=TAP_NAME, kind="tuntap", mode="tap")
         tap = ns.link_lookup(ifname=TAP_NAME)[0]
+        ns.link("set", index=tap, address=TAP_MAC)
         ns.addr("add", index=tap, address=TAP_ADDR, prefixlen=PREFIX_LEN)
         ns.link("set", index=tap, state="up")
         ns.route("add", dst="0.0.0.0/0", gateway=slot.host_addr)

@@ -1,0 +1,135 @@
+"""Host-side client of the guest agent (see ``guest.protocol``).
+
+One ``AgentClient`` per running VM. Its connection pool must not outlive the
+VMM it talks to (connections are dead after a restore), so ``aclose`` is
+called whenever the VM is paused for a snapshot or destroyed, and a new client
+is made on wake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from guest.protocol import (
+    AGENT_PORT,
+    DirListing,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    Health,
+    InitRequest,
+)
+from vmctl.errors import VMTimeoutError, VmctlError
+
+
+class AgentError(VmctlError):
+    """The agent answered with an error (carries its status and code)."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+class AgentUnreachable(VmctlError):
+    code = "agent_unreachable"
+    status = 502
+
+
+class AgentClient:
+    def __init__(self, address: str, port: int = AGENT_PORT) -> None:
+        self.base = f"http://{address}:{port}"
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=64, force_close=False),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
+            auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
+
+    async def aclose(self) -> None:
+        await self._session.close()
+
+    async def wait_ready(self, timeout: float) -> Health:
+        """Poll /health until the agent answers (ready = the agent answered, not 'VMM started')."""
+        deadline = time.monotonic() + timeout
+        last: BaseException | None = None
+        while time.monotonic() < deadline:
+            try:
+                return await self.health(timeout=1.0)
+            except (AgentUnreachable, asyncio.TimeoutError) as exc:
+                last = exc
+                await asyncio.sleep(0.01)
+        raise VMTimeoutError(f"guest agent not ready after {timeout:.0f}s ({last})")
+
+    async def health(self, timeout: float = 5.0) -> Health:
+        return Health.from_dict(await self._json("GET", "/health", timeout=timeout))
+
+    async def execute(self, req: ExecRequest) -> ExecResult:
+        # The agent enforces req.timeout; give the HTTP exchange a margin on top.
+        data = await self._json("POST", "/exec", json=req.to_dict(), timeout=req.timeout + 15)
+        return ExecResult.from_dict(data)
+
+    async def init(self, req: InitRequest) -> None:
+        await self._json("POST", "/init", json=req.to_dict(), timeout=10)
+
+    async def stat(self, path: str) -> FileInfo:
+        return FileInfo.from_dict(await self._json("GET", "/files/stat", params={"path": path}))
+
+    async def remove(self, path: str) -> None:
+        await self._json("DELETE", "/files", params={"path": path})
+
+    async def write_file(self, path: str, body: AsyncIterator[bytes] | aiohttp.StreamReader,
+                         size: int | None = None) -> FileInfo:
+        headers = {"Content-Length": str(size)} if size is not None else {}
+        data = await self._json("PUT", "/files", params={"path": path}, data=body,
+                                headers=headers, timeout=None)
+        return FileInfo.from_dict(data)
+
+    async def open_file(self, path: str) -> aiohttp.ClientResponse:
+        """Start a download; the caller streams ``resp.content`` and must release ``resp``.
+        A directory answers with a JSON DirListing instead of bytes."""
+        resp = await self._request("GET", "/files", params={"path": path}, timeout=None)
+        if resp.status >= 400:
+            await self._raise_for(resp)
+        return resp
+
+    @staticmethod
+    async def listing(resp: aiohttp.ClientResponse) -> DirListing:
+        return DirListing.from_dict(await resp.json())
+
+    # -- plumbing ----------------------------------------------------------------
+
+    async def _request(self, method: str, path: str, timeout: float | None = 30.0,
+                       **kw: Any) -> aiohttp.ClientResponse:
+        try:
+            return await self._session.request(
+                method, self.base + path,
+                timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=2.0), **kw)
+        except aiohttp.ClientConnectionError as exc:
+            raise AgentUnreachable(f"guest agent unreachable: {exc}") from exc
+
+    async def _json(self, method: str, path: str, timeout: float | None = 30.0,
+                    **kw: Any) -> Any:
+        resp = await self._request(method, path, timeout=timeout, **kw)
+        async with resp:
+            if resp.status >= 400:
+                await self._raise_for(resp)
+            if resp.status == 204:
+                return None
+            try:
+                return await resp.json(content_type=None)
+            except aiohttp.ClientPayloadError as exc:
+                raise AgentUnreachable(f"guest agent connection broke: {exc}") from exc
+
+    @staticmethod
+    async def _raise_for(resp: aiohttp.ClientResponse) -> None:
+        try:
+            err = (await resp.json(content_type=None))["error"]
+            code, message = str(err["code"]), str(err["message"])
+        except Exception:
+            code, message = "agent_error", f"guest agent answered {resp.status}"
+        resp.release()
+        raise AgentError(resp.status, code, message)

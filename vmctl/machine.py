@@ -1,0 +1,155 @@
+"""One sandbox's VM resources and the mechanics of its lifecycle.
+
+A ``Machine`` owns: the sandbox directory, its network slot (namespace, veth,
+TAP), its disk layer, its memory file, the VMM (through a driver) and the
+agent client. It knows *how* to create, suspend, wake and destroy; *when* to do
+so is decided by the gateway's state machine, which calls these one at a time.
+
+Directory layout (``root``)::
+
+    disk.qcow2   copy-on-write layer over the template's golden disk
+    memory       guest RAM (the VMM maps it shared; it *is* the memory snapshot)
+    vm/          control socket, console and VMM logs
+    snapshot/    vmstate + manifest.json while suspended
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from guest.protocol import InitRequest
+from vmctl import disks, network, store
+from vmctl.agent_client import AgentClient
+from vmctl.backend import Backend
+from vmctl.driver import Driver, kill_pid, pid_alive
+from vmctl.errors import SnapshotError, VMGoneError
+from vmctl.golden import Golden
+from vmctl.network import NetSlot
+from vmctl.spec import VMMRecord, VMSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MachinePlan:
+    """Everything that fixes where a sandbox's VM lives (persisted in the registry)."""
+
+    vm_id: str
+    root: Path
+    slot: NetSlot
+    golden: Golden
+
+
+class Machine:
+    def __init__(self, plan: MachinePlan, backend: Backend) -> None:
+        self.plan = plan
+        self.backend = backend
+        self.driver: Driver | None = None
+        self.agent: AgentClient | None = None
+
+    @property
+    def spec(self) -> VMSpec:
+        p, g = self.plan, self.plan.golden
+        return VMSpec(vm_id=p.vm_id, workdir=p.root / "vm", kernel=g.kernel, initrd=g.initrd,
+                      cmdline=g.cmdline, disk=p.root / "disk.qcow2", mem_file=p.root / "memory",
+                      mem_mib=g.mem_mib, vcpus=self.backend.config.vcpus, netns=p.slot.netns,
+                      accel=self.backend.accel)
+
+    @property
+    def snapshot_dir(self) -> Path:
+        return self.plan.root / "snapshot"
+
+    def vmm_record(self) -> VMMRecord | None:
+        return self.driver.record() if self.driver and self.driver.pid else None
+
+    async def create(self) -> None:
+        """Materialise the sandbox from the golden snapshot and wait for its agent."""
+        root, golden = self.plan.root, self.plan.golden
+        root.mkdir(parents=True, exist_ok=True)
+        await asyncio.gather(
+            disks.create_overlay(root / "disk.qcow2", golden.snapshot.disk),
+            disks.copy_sparse(golden.snapshot.memory, root / "memory"),
+            network.create(self.plan.slot, self.backend.config.network))
+        await self._start_from(golden.snapshot)
+
+    async def suspend(self) -> None:
+        """Snapshot (device state; RAM stays in ``memory``) and let the VMM exit."""
+        assert self.driver is not None
+        await self._close_agent()
+        tmp = self.plan.root / "snapshot.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        snap = await self.driver.snapshot(tmp)
+        await self.driver.destroy()
+        self.driver = None
+        await asyncio.to_thread(store.write_manifest, tmp, snap, hash_roles=("state",))
+        shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+        os.replace(tmp, self.snapshot_dir)
+
+    async def wake(self) -> float:
+        """Restore from the sandbox's own snapshot; returns ms to agent-ready."""
+        started = time.monotonic()
+        snap, _ = await asyncio.to_thread(store.load, self.snapshot_dir)
+        await self._start_from(snap)
+        return (time.monotonic() - started) * 1000
+
+    async def adopt(self, record: VMMRecord) -> None:
+        driver = self.backend.new_driver()
+        await driver.adopt(record, self.spec)
+        self.driver = driver
+        self.agent = AgentClient(self.plan.slot.guest_addr)
+
+    async def destroy(self) -> None:
+        """Remove the VMM, the namespace and every file. Idempotent."""
+        try:
+            await self._close_agent()
+            if self.driver is not None:
+                await self.driver.destroy()
+                self.driver = None
+        finally:
+            await network.destroy(self.plan.slot)
+            await asyncio.to_thread(shutil.rmtree, self.plan.root, True)
+
+    async def kill_recorded(self, record: VMMRecord) -> None:
+        """Kill a VMM left by a previous daemon that cannot be adopted."""
+        if pid_alive(record.pid):
+            await kill_pid(record.pid, timeout=2.0)
+
+    # -- internals ------------------------------------------------------------------
+
+    async def _start_from(self, snap) -> None:  # type: ignore[no-untyped-def]
+        if snap.accel is not self.backend.accel:
+            raise SnapshotError(f"snapshot is for {snap.accel.value}; host runs "
+                                f"{self.backend.accel.value}")
+        driver = self.backend.new_driver()
+        self.driver = driver
+        await driver.restore(snap, self.spec)
+        self.agent = AgentClient(self.plan.slot.guest_addr)
+        try:
+            await self.agent.wait_ready(self.backend.config.restore_timeout)
+            await self.agent.init(InitRequest(time_ns=time.time_ns(),
+                                              entropy_hex=os.urandom(64).hex()))
+        except BaseException:
+            await asyncio.shield(self._abort_start())
+            raise
+
+    async def _abort_start(self) -> None:
+        await self._close_agent()
+        if self.driver is not None:
+            await self.driver.destroy()
+            self.driver = None
+
+    async def _close_agent(self) -> None:
+        agent, self.agent = self.agent, None
+        if agent is not None:
+            await agent.aclose()
+
+    def require_agent(self) -> AgentClient:
+        if self.agent is None:
+            raise VMGoneError(f"sandbox VM {self.plan.vm_id} is not running")
+        return self.agent
