@@ -161,7 +161,8 @@ class DirListing:
     def from_dict(cls, data: object) -> DirListing:
         if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
             raise ProtocolError("DirListing must be an object with 'entries'")
-        return cls(path=data.get("path", ""), entries=[FileInfo.from_dict(e) for e in data["entries"]])
+        entries = [FileInfo.from_dict(e) for e in data["entries"]]
+        return cls(path=data.get("path", ""), entries=entries)
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "entries": [e.to_dict() for e in self.entries]}

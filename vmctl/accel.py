@@ -56,7 +56,7 @@ async def _kvm_boots(kernel: Path, qemu: str) -> bool:
             stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
         try:
             await asyncio.wait_for(proc.wait(), PROBE_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         finally:
             if proc.returncode is None:

@@ -24,7 +24,7 @@ from guest.protocol import (
     Health,
     InitRequest,
 )
-from vmctl.errors import VMTimeoutError, VmctlError
+from vmctl.errors import VmctlError, VMTimeoutError
 
 
 class AgentError(VmctlError):
@@ -59,7 +59,7 @@ class AgentClient:
         while time.monotonic() < deadline:
             try:
                 return await self.health(timeout=1.0)
-            except (AgentUnreachable, asyncio.TimeoutError) as exc:
+            except (TimeoutError, AgentUnreachable) as exc:
                 last = exc
                 await asyncio.sleep(0.01)
         raise VMTimeoutError(f"guest agent not ready after {timeout:.0f}s ({last})")

@@ -104,7 +104,7 @@ class Driver(abc.ABC):
             self.last_error = exc
             await asyncio.shield(self._destroy())
             self.pid = None
-            if isinstance(exc, (asyncio.CancelledError, VMStartError)) or not isinstance(exc, Exception):
+            if isinstance(exc, VMStartError) or not isinstance(exc, Exception):
                 raise
             raise VMStartError(f"{self.name}: {exc}") from exc
 
@@ -122,7 +122,7 @@ class Driver(abc.ABC):
         if self._proc is not None:
             try:
                 await asyncio.wait_for(self._proc.wait(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     self._proc.kill()
                 await self._proc.wait()

@@ -91,7 +91,7 @@ class QMPClient:
         assert self._reader is not None
         try:
             line = await asyncio.wait_for(self._reader.readline(), timeout)
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise VMTimeoutError(f"no QMP reply within {timeout}s") from exc
         except (ConnectionError, OSError, ValueError) as exc:
             raise VMGoneError("QMP connection lost") from exc

@@ -170,4 +170,4 @@ def _tail(path: Path, limit: int = 800) -> str:
         return ""
 
 
-__all__ = ["QemuDriver", "qemu_argv", "VMStartError"]
+__all__ = ["QemuDriver", "VMStartError", "qemu_argv"]
