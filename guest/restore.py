@@ -1,0 +1,80 @@
+"""What ``POST /init`` does after a snapshot restore: wall clock, entropy, env.
+
+A restored VM wakes with the clock and RNG state of the moment it was saved,
+and every clone of one snapshot shares that RNG state. The host sends the real
+time and fresh random bytes; we set the clock and mix the bytes into the
+kernel pool. The two system calls are injectable so tests never touch the host.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from guest.errors import AgentError, BadRequest
+from guest.protocol import InitRequest
+
+RNDADDENTROPY = 0x40085203  # _IOW('R', 0x03, int[2]) from <linux/random.h>
+MAX_ENTROPY_BYTES = 4096
+
+
+def set_realtime_ns(time_ns: int) -> None:
+    time.clock_settime_ns(time.CLOCK_REALTIME, time_ns)
+
+
+def add_entropy(data: bytes) -> None:
+    """Mix ``data`` into the kernel pool, crediting it when we may (CAP_SYS_ADMIN)."""
+    with open("/dev/urandom", "wb", buffering=0) as f:
+        try:
+            info = struct.pack("ii", len(data) * 8, len(data)) + data
+            fcntl.ioctl(f.fileno(), RNDADDENTROPY, info)
+        except OSError:
+            f.write(data)  # uncredited, but it still makes clones' pools diverge
+
+
+@dataclass(frozen=True)
+class SystemSetters:
+    set_clock: Callable[[int], None] = set_realtime_ns
+    add_entropy: Callable[[bytes], None] = add_entropy
+
+
+def check(req: InitRequest) -> bytes:
+    """Validate what ``InitRequest`` leaves unchecked; return the entropy bytes."""
+    if isinstance(req.time_ns, bool) or not isinstance(req.time_ns, int) or req.time_ns <= 0:
+        raise BadRequest("'time_ns' must be a positive integer (ns since the epoch)")
+    if not isinstance(req.env, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in req.env.items()
+    ):
+        raise BadRequest("'env' must map strings to strings")
+    try:
+        entropy = bytes.fromhex(req.entropy_hex)
+    except (TypeError, ValueError) as exc:
+        raise BadRequest("'entropy_hex' must be a hex string") from exc
+    if len(entropy) > MAX_ENTROPY_BYTES:
+        raise BadRequest(f"'entropy_hex' is limited to {MAX_ENTROPY_BYTES} bytes")
+    return entropy
+
+
+def apply(req: InitRequest, setters: SystemSetters, env: dict[str, str]) -> None:
+    """Apply a checked InitRequest: ``env`` (the exec base env) is updated in place.
+
+    Each step is tried even if an earlier one failed, so one missing privilege
+    does not leave the rest undone; any failure is then reported as a 500.
+    """
+    entropy = check(req)
+    env.update(req.env)
+    failures = []
+    if entropy:
+        try:
+            setters.add_entropy(entropy)
+        except OSError as exc:
+            failures.append(f"entropy: {exc}")
+    try:
+        setters.set_clock(req.time_ns)
+    except OSError as exc:
+        failures.append(f"clock: {exc}")
+    if failures:
+        raise AgentError("init incomplete: " + "; ".join(failures))
