@@ -1,0 +1,183 @@
+"""REST API handlers (/v1/...). Transport only: parse, call the service, shape JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway.errors import BadRequest, Forbidden, NotFound, PayloadTooLarge
+from gateway.middleware import REGISTRY_KEY, current_key
+from gateway.registry import SandboxRecord
+from gateway.sandboxes import SandboxService, validate_create
+from guest.protocol import ExecRequest, validate_path
+
+SERVICE_KEY = web.AppKey("service", SandboxService)
+MAX_UPLOAD_KEY = web.AppKey("max_upload", int)
+_CHUNK = 256 * 1024
+
+routes = web.RouteTableDef()
+
+
+def json_response(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+async def read_json(request: web.Request) -> Any:
+    body = await request.read()  # bounded by the app's client_max_size (413 beyond)
+    if not body:
+        raise BadRequest("request body must be JSON", code="bad_json")
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"malformed JSON: {exc}", code="bad_json") from exc
+
+
+def sandbox_view(rec: SandboxRecord) -> dict[str, Any]:
+    return {
+        "id": rec.id, "state": rec.state.value, "template": rec.template,
+        "metadata": rec.metadata, "idle_timeout": rec.idle_timeout,
+        "created_at": rec.created_at, "updated_at": rec.updated_at,
+        "last_activity": rec.last_activity, "suspend_count": rec.suspend_count,
+        "restore_count": rec.restore_count, "last_suspend_ms": rec.last_suspend_ms,
+        "last_restore_ms": rec.last_restore_ms, "failure": rec.failure,
+    }
+
+
+def _service(request: web.Request) -> SandboxService:
+    return request.app[SERVICE_KEY]
+
+
+@routes.get("/healthz")
+async def healthz(request: web.Request) -> web.Response:
+    svc = _service(request)
+    return json_response({"status": "ok", "vmm": svc.backend.driver_name,
+                          "accel": svc.backend.accel.value, "accel_reason": svc.backend.reason,
+                          "templates": sorted(svc.goldens)})
+
+
+@routes.get("/v1/templates")
+async def list_templates(request: web.Request) -> web.Response:
+    svc = _service(request)
+    return json_response({"templates": [
+        {"name": g.template, "mem_mib": g.mem_mib, "default": g.template ==
+         svc.config.sandbox.default_template} for g in svc.goldens.values()]})
+
+
+@routes.post("/v1/sandboxes")
+async def create_sandbox(request: web.Request) -> web.Response:
+    template, metadata, idle = validate_create(await read_json(request))
+    rec = await _service(request).create(current_key(request).id, template, metadata, idle)
+    return json_response(sandbox_view(rec), status=201)
+
+
+@routes.get("/v1/sandboxes")
+async def list_sandboxes(request: web.Request) -> web.Response:
+    recs = _service(request).list(current_key(request).id)
+    return json_response({"sandboxes": [sandbox_view(r) for r in recs]})
+
+
+@routes.get("/v1/sandboxes/{id}")
+async def get_sandbox(request: web.Request) -> web.Response:
+    rec = _service(request).get(current_key(request).id, request.match_info["id"])
+    return json_response(sandbox_view(rec))
+
+
+@routes.delete("/v1/sandboxes/{id}")
+async def delete_sandbox(request: web.Request) -> web.Response:
+    await _service(request).destroy(current_key(request).id, request.match_info["id"])
+    return web.Response(status=204)
+
+
+@routes.post("/v1/sandboxes/{id}/execute")
+async def execute(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    if isinstance(body, dict) and "code" in body and "language" not in body:
+        body = {**body, "language": "python"}
+    exec_req = ExecRequest.from_dict(body)
+    async with _service(request).use(current_key(request).id, request.match_info["id"]) as m:
+        result = await m.require_agent().execute(exec_req)
+    return json_response(dataclasses.asdict(result))
+
+
+@routes.post("/v1/sandboxes/{id}/files")
+@routes.put("/v1/sandboxes/{id}/files")
+async def upload_file(request: web.Request) -> web.Response:
+    path = validate_path(request.query.get("path"))
+    limit = request.app[MAX_UPLOAD_KEY]
+    size = request.content_length
+    if size is not None and size > limit:
+        raise PayloadTooLarge(f"upload of {size} bytes exceeds the limit of {limit} bytes")
+    body = _LimitedBody(request, limit)
+    async with _service(request).use(current_key(request).id, request.match_info["id"]) as m:
+        try:
+            info = await m.require_agent().write_file(path, body.chunks(), size)
+        except Exception as exc:
+            # The client library may wrap an exception raised while sending the body.
+            if body.exceeded:
+                raise PayloadTooLarge(f"upload exceeds the limit of {limit} bytes") from exc
+            raise
+    return json_response(info.to_dict(), status=201)
+
+
+@routes.get("/v1/sandboxes/{id}/files/{path:.*}")
+async def download_file(request: web.Request) -> web.StreamResponse:
+    path = validate_path("/" + request.match_info["path"])
+    async with _service(request).use(current_key(request).id, request.match_info["id"]) as m:
+        upstream = await m.require_agent().open_file(path)
+        try:
+            resp = web.StreamResponse(status=200)
+            resp.content_type = upstream.content_type
+            if upstream.content_length is not None:
+                resp.content_length = upstream.content_length
+            await resp.prepare(request)
+            async for chunk in upstream.content.iter_chunked(_CHUNK):
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+        finally:
+            upstream.release()
+
+
+@routes.delete("/v1/sandboxes/{id}/files/{path:.*}")
+async def delete_file(request: web.Request) -> web.Response:
+    path = validate_path("/" + request.match_info["path"])
+    async with _service(request).use(current_key(request).id, request.match_info["id"]) as m:
+        await m.require_agent().remove(path)
+    return web.Response(status=204)
+
+
+@routes.post("/v1/keys")
+async def create_key(request: web.Request) -> web.Response:
+    if not current_key(request).admin:
+        raise Forbidden("only an admin key can create keys")
+    body = await read_json(request)
+    name = body.get("name") if isinstance(body, dict) else None
+    if not isinstance(name, str) or not name.strip():
+        raise BadRequest("'name' is required")
+    key, secret = request.app[REGISTRY_KEY].create_key(name.strip(), admin=bool(body.get("admin")))
+    return json_response({"id": key.id, "name": key.name, "admin": key.admin, "key": secret},
+                         status=201)
+
+
+class _LimitedBody:
+    """Streams a request body upstream, stopping once it passes ``limit`` bytes."""
+
+    def __init__(self, request: web.Request, limit: int) -> None:
+        self.request, self.limit, self.exceeded = request, limit, False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        seen = 0
+        async for chunk in self.request.content.iter_chunked(_CHUNK):
+            seen += len(chunk)
+            if seen > self.limit:
+                self.exceeded = True
+                raise PayloadTooLarge(f"upload exceeds the limit of {self.limit} bytes")
+            yield chunk
+
+
+async def not_found(request: web.Request) -> web.Response:
+    raise NotFound(f"no route for {request.method} {request.path}")

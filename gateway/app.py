@@ -1,0 +1,114 @@
+"""Application factory and daemon start-up.
+
+Start-up order: registry (and the admin key on first start) -> templates and
+the VMM backend -> golden snapshots (built if missing) -> reconcile sandboxes
+left by a previous daemon -> serve. Shut-down releases host-side resources but
+leaves VMMs running; the next start re-adopts them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from aiohttp import web
+
+from gateway import api
+from gateway.config import Config
+from gateway.middleware import (
+    REGISTRY_KEY,
+    api_error_middleware,
+    auth_middleware,
+    error_middleware,
+)
+from gateway.registry import Registry
+from gateway.sandboxes import SandboxService
+from vmctl import backend as vm_backend
+from vmctl.golden import Golden, ensure_golden
+
+log = logging.getLogger(__name__)
+
+CONFIG_KEY = web.AppKey("config", Config)
+
+
+def ensure_admin_key(registry: Registry, data_dir: Path) -> Path | None:
+    """On first start, mint an admin key into DATA_DIR/admin.key (mode 0600)."""
+    if registry.has_admin_key():
+        return None
+    _, secret = registry.create_key("admin", admin=True)
+    path = data_dir / "admin.key"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    os.chmod(path, 0o600)
+    return path
+
+
+async def load_goldens(config: Config) -> tuple[vm_backend.Backend | None, dict[str, Golden]]:
+    from images.catalog import load_template
+
+    images = {}
+    for name in config.sandbox.templates:
+        image = load_template(name, config.server.images_dir)
+        if image is None:
+            log.error("template %r is not built in %s: run `make images` "
+                      "(or `agentbox images build %s`)", name, config.server.images_dir, name)
+            continue
+        images[name] = image
+    if not images:
+        return None, {}
+    first = next(iter(images.values()))
+    backend = await vm_backend.select(config.vm, first.kernel)
+    goldens = {}
+    for i, (name, image) in enumerate(images.items()):
+        try:
+            goldens[name] = await ensure_golden(image, backend, progress=log.info, build_slot=i)
+        except Exception:
+            log.exception("golden snapshot for template %r failed; template disabled", name)
+    return backend, goldens
+
+
+def build_app(config: Config) -> web.Application:
+    app = web.Application(
+        middlewares=[error_middleware, api_error_middleware, auth_middleware],
+        client_max_size=config.server.max_json_bytes)
+    app[CONFIG_KEY] = config
+    app[api.MAX_UPLOAD_KEY] = config.server.max_upload_bytes
+    app.add_routes(api.routes)
+    app.cleanup_ctx.append(_lifecycle)
+    return app
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG_KEY]
+    config.server.data_dir.mkdir(parents=True, exist_ok=True)
+    registry = Registry(config.server.data_dir / "registry.sqlite")
+    app[REGISTRY_KEY] = registry
+    key_path = ensure_admin_key(registry, config.server.data_dir)
+    if key_path:
+        log.warning("created the admin API key: %s (mode 0600)", key_path)
+    backend, goldens = await load_goldens(config)
+    if backend is None:
+        raise RuntimeError(f"no template is built in {config.server.images_dir}: run `make images`")
+    service = SandboxService(config, registry, backend, goldens)
+    app[api.SERVICE_KEY] = service
+    await service.reconcile()
+    log.info("agentbox ready on http://%s (vmm %s/%s; templates: %s)", config.server.listen,
+             backend.driver_name, backend.accel.value, ", ".join(sorted(goldens)) or "none")
+    try:
+        yield
+    finally:
+        await service.aclose()
+        registry.close()
+
+
+def serve(config: Config) -> None:
+    import uvloop
+
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    web.run_app(build_app(config), host=config.server.host, port=config.server.port,
+                loop=uvloop.new_event_loop(), print=None, access_log=None,
+                handler_cancellation=True)

@@ -1,0 +1,104 @@
+"""Daemon configuration: TOML file -> frozen dataclasses, validated at start-up.
+
+A bad value fails start-up with the offending key in the message. Command-line
+flags (``--listen``, ``--data-dir``) override the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vmctl.backend import VMConfig
+from vmctl.network import NetworkConfig
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "agentbox.toml"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    listen: str = "127.0.0.1:8080"
+    data_dir: Path = Path("/var/lib/agentbox")
+    images_dir: Path = Path("/var/lib/agentbox/images")
+    max_upload_bytes: int = 1 << 30
+    max_json_bytes: int = 4 << 20
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise ValueError(f"listen must be HOST:PORT, not {self.listen!r}")
+        object.__setattr__(self, "data_dir", Path(self.data_dir))
+        object.__setattr__(self, "images_dir", Path(self.images_dir))
+        if self.max_upload_bytes <= 0 or self.max_json_bytes <= 0:
+            raise ValueError("size limits must be positive")
+
+    @property
+    def host(self) -> str:
+        return self.listen.rpartition(":")[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.listen.rpartition(":")[2])
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    templates: tuple[str, ...] = ("python",)
+    default_template: str = "python"
+    idle_timeout: float = 60.0
+    max_sandboxes: int = 256
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "templates", tuple(self.templates))
+        if self.default_template not in self.templates:
+            raise ValueError(f"default_template {self.default_template!r} is not in templates")
+        if self.idle_timeout < 0:
+            raise ValueError("idle_timeout must be >= 0 (0 = never suspend)")
+        if self.max_sandboxes < 1:
+            raise ValueError("max_sandboxes must be >= 1")
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    vm: VMConfig = field(default_factory=VMConfig)
+
+
+def _section(cls: type, data: dict[str, Any], name: str) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        raise ConfigError(f"[{name}]: unknown key(s) {', '.join(sorted(unknown))}")
+    try:
+        return cls(**data)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"[{name}]: {exc}") from exc
+
+
+def load(path: Path | None = None, **overrides: Any) -> Config:
+    """Read ``path`` (default: the repo's config/agentbox.toml) and apply overrides
+    (``listen``, ``data_dir``, ``images_dir``) given on the command line."""
+    path = path or DEFAULT_CONFIG
+    try:
+        raw = tomllib.loads(path.read_text()) if path.exists() else {}
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    unknown = set(raw) - {"server", "sandbox", "vm", "network"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}")
+    server_raw = dict(raw.get("server", {}))
+    server_raw.update({k: v for k, v in overrides.items() if v is not None})
+    if "data_dir" in overrides and overrides["data_dir"] and "images_dir" not in server_raw:
+        server_raw["images_dir"] = Path(overrides["data_dir"]) / "images"
+    net = _section(NetworkConfig, raw.get("network", {}), "network")
+    vm = _section(VMConfig, {**raw.get("vm", {}), "network": net}, "vm")
+    return Config(server=_section(ServerConfig, server_raw, "server"),
+                  sandbox=_section(SandboxConfig, raw.get("sandbox", {}), "sandbox"), vm=vm)

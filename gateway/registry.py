@@ -1,0 +1,230 @@
+"""SQLite registry: API keys, sandboxes, and every state transition.
+
+Synchronous sqlite3 on the event loop thread: each statement touches a handful
+of rows in a WAL-mode database and takes well under a millisecond, which is
+cheaper than a thread hop. ``transition`` writes the new state and the
+transition log row in one transaction, before the caller acts on it.
+
+The ``Registry`` class is the seam for moving to PostgreSQL when sandboxes are
+spread over several hosts (each row already carries its ``host``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import secrets
+import socket
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gateway.lifecycle import Event, State, next_state
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS api_keys (
+  id TEXT PRIMARY KEY, name TEXT NOT NULL, key_hash TEXT NOT NULL UNIQUE,
+  admin INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL, revoked INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS sandboxes (
+  id TEXT PRIMARY KEY, tenant TEXT NOT NULL, template TEXT NOT NULL, state TEXT NOT NULL,
+  metadata TEXT NOT NULL DEFAULT '{}', slot INTEGER NOT NULL, root TEXT NOT NULL,
+  golden TEXT NOT NULL, vmm TEXT, idle_timeout REAL NOT NULL, host TEXT NOT NULL,
+  created_at REAL NOT NULL, updated_at REAL NOT NULL, last_activity REAL NOT NULL,
+  suspend_count INTEGER NOT NULL DEFAULT 0, restore_count INTEGER NOT NULL DEFAULT 0,
+  last_suspend_ms REAL, last_restore_ms REAL, failure TEXT);
+CREATE INDEX IF NOT EXISTS sandboxes_tenant ON sandboxes(tenant, state);
+CREATE TABLE IF NOT EXISTS transitions (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT, sandbox_id TEXT NOT NULL, from_state TEXT,
+  to_state TEXT NOT NULL, event TEXT NOT NULL, cause TEXT NOT NULL DEFAULT '', at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS transitions_sandbox ON transitions(sandbox_id, seq);
+"""
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    id: str
+    name: str
+    admin: bool
+    created_at: float
+
+
+@dataclass(frozen=True)
+class SandboxRecord:
+    id: str
+    tenant: str
+    template: str
+    state: State
+    slot: int
+    root: str
+    golden: str
+    idle_timeout: float
+    host: str
+    created_at: float
+    updated_at: float
+    last_activity: float
+    metadata: dict[str, Any] = field(default_factory=dict)
+    vmm: dict[str, Any] | None = None
+    suspend_count: int = 0
+    restore_count: int = 0
+    last_suspend_ms: float | None = None
+    last_restore_ms: float | None = None
+    failure: str | None = None
+
+
+def hash_key(key: str) -> str:
+    # Keys are 256-bit random tokens, so a fast hash is enough (no dictionary to attack).
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class Registry:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.host = socket.gethostname()
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA busy_timeout=5000")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    # -- API keys ----------------------------------------------------------------
+
+    def create_key(self, name: str, admin: bool = False) -> tuple[ApiKey, str]:
+        """Mint a key; returns its record and the secret (shown once, stored hashed)."""
+        secret = "ab_" + secrets.token_urlsafe(32)
+        key = ApiKey(id="key_" + secrets.token_hex(6), name=name, admin=admin,
+                     created_at=time.time())
+        self._db.execute("INSERT INTO api_keys (id, name, key_hash, admin, created_at) "
+                         "VALUES (?, ?, ?, ?, ?)",
+                         (key.id, name, hash_key(secret), int(admin), key.created_at))
+        return key, secret
+
+    def lookup_key(self, secret: str) -> ApiKey | None:
+        row = self._db.execute("SELECT * FROM api_keys WHERE key_hash = ? AND revoked = 0",
+                               (hash_key(secret),)).fetchone()
+        if row is None:
+            return None
+        return ApiKey(row["id"], row["name"], bool(row["admin"]), row["created_at"])
+
+    def list_keys(self) -> list[ApiKey]:
+        rows = self._db.execute("SELECT * FROM api_keys WHERE revoked = 0 ORDER BY created_at")
+        return [ApiKey(r["id"], r["name"], bool(r["admin"]), r["created_at"]) for r in rows]
+
+    def revoke_key(self, key_id: str) -> bool:
+        return self._db.execute("UPDATE api_keys SET revoked = 1 WHERE id = ?",
+                                (key_id,)).rowcount > 0
+
+    def has_admin_key(self) -> bool:
+        return self._db.execute(
+            "SELECT 1 FROM api_keys WHERE admin = 1 AND revoked = 0").fetchone() is not None
+
+    # -- sandboxes ---------------------------------------------------------------
+
+    def insert_sandbox(self, rec: SandboxRecord) -> None:
+        row = _to_row(rec)
+        cols = ", ".join(row)
+        marks = ", ".join("?" for _ in row)
+        with self._tx():
+            self._db.execute(f"INSERT INTO sandboxes ({cols}) VALUES ({marks})", list(row.values()))
+            self._log(rec.id, None, rec.state, "insert", "created by API")
+
+    def get(self, sandbox_id: str) -> SandboxRecord | None:
+        row = self._db.execute("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
+        return _from_row(row) if row else None
+
+    def list(self, tenant: str | None = None,
+             include_destroyed: bool = False) -> list[SandboxRecord]:
+        sql, args = "SELECT * FROM sandboxes WHERE 1=1", []
+        if tenant is not None:
+            sql, args = sql + " AND tenant = ?", [tenant]
+        if not include_destroyed:
+            sql += " AND state != 'destroyed'"
+        return [_from_row(r) for r in self._db.execute(sql + " ORDER BY created_at", args)]
+
+    def used_slots(self) -> set[int]:
+        rows = self._db.execute("SELECT slot FROM sandboxes WHERE state != 'destroyed'")
+        return {r["slot"] for r in rows}
+
+    def transition(self, sandbox_id: str, event: Event, cause: str = "",
+                   **updates: Any) -> SandboxRecord:
+        """Apply ``event`` (validated against the table) and ``updates`` atomically."""
+        with self._tx():
+            rec = self.get(sandbox_id)
+            if rec is None:
+                raise KeyError(sandbox_id)
+            new = next_state(rec.state, event)
+            self._update(sandbox_id, state=new, **updates)
+            self._log(sandbox_id, rec.state, new, event.value, cause)
+        out = self.get(sandbox_id)
+        assert out is not None
+        return out
+
+    def update(self, sandbox_id: str, **updates: Any) -> None:
+        with self._tx():
+            self._update(sandbox_id, **updates)
+
+    def transitions(self, sandbox_id: str) -> list[dict[str, Any]]:
+        rows = self._db.execute("SELECT * FROM transitions WHERE sandbox_id = ? ORDER BY seq",
+                                (sandbox_id,))
+        return [dict(r) for r in rows]
+
+    # -- internals ----------------------------------------------------------------
+
+    def _update(self, sandbox_id: str, **updates: Any) -> None:
+        updates["updated_at"] = time.time()
+        row = {k: _encode(v) for k, v in updates.items()}
+        sets = ", ".join(f"{k} = ?" for k in row)
+        self._db.execute(f"UPDATE sandboxes SET {sets} WHERE id = ?", [*row.values(), sandbox_id])
+
+    def _log(self, sandbox_id: str, src: State | None, dst: State, event: str, cause: str) -> None:
+        self._db.execute("INSERT INTO transitions (sandbox_id, from_state, to_state, event, cause, "
+                         "at) VALUES (?, ?, ?, ?, ?, ?)",
+                         (sandbox_id, src.value if src else None, dst.value, event, cause,
+                          time.time()))
+
+    def _tx(self) -> _Transaction:
+        return _Transaction(self._db)
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE ... COMMIT/ROLLBACK; nested use joins the outer transaction."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+        self.outer = False
+
+    def __enter__(self) -> None:
+        self.outer = not self.db.in_transaction
+        if self.outer:
+            self.db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if self.outer:
+            self.db.execute("ROLLBACK" if exc_type else "COMMIT")
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, State):
+        return value.value
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return value
+
+
+def _to_row(rec: SandboxRecord) -> dict[str, Any]:
+    return {k: _encode(v) for k, v in dataclasses.asdict(rec).items()
+            if not (k == "vmm" and v is None)} | {"state": rec.state.value}
+
+
+def _from_row(row: sqlite3.Row) -> SandboxRecord:
+    data = dict(row)
+    data["state"] = State(data["state"])
+    data["metadata"] = json.loads(data["metadata"] or "{}")
+    data["vmm"] = json.loads(data["vmm"]) if data["vmm"] else None
+    return SandboxRecord(**data)
