@@ -1,0 +1,58 @@
+# AgentBox: `make run` sets up this machine and runs the daemon; `make test` runs the suite.
+PYTHON  ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+CONFIG  ?= config/agentbox.toml
+LISTEN  ?=
+DATA_DIR ?=
+SERVE_ARGS := --config $(CONFIG) $(if $(LISTEN),--listen $(LISTEN)) $(if $(DATA_DIR),--data-dir $(DATA_DIR))
+PYTEST_ARGS ?=
+
+.PHONY: setup host-packages venv images run test test-unit test-e2e test-firecracker \
+        kernel-firecracker bench lint clean
+
+setup: host-packages venv
+
+host-packages:
+	@bash scripts/setup-host.sh
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	@touch $@
+
+# Build the configured templates and their golden snapshots (cached by content hash).
+images: setup
+	$(BIN)/agentbox images build --config $(CONFIG) $(if $(DATA_DIR),--images-dir $(DATA_DIR)/images)
+
+run: images
+	$(BIN)/agentbox serve $(SERVE_ARGS)
+
+test: images
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-unit: setup
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+test-e2e: images
+	$(BIN)/python -m pytest tests/e2e $(PYTEST_ARGS)
+
+# Opt-in: compiles a Firecracker-ready vmlinux from Debian's linux-source (minutes).
+kernel-firecracker: setup
+	bash images/firecracker/build_kernel.sh
+
+# The real end-to-end suite under a real `firecracker` binary (skips where it or KVM is missing).
+test-firecracker: images
+	$(BIN)/python -m pytest tests/e2e -k firecracker -rs $(PYTEST_ARGS)
+
+bench: images
+	$(BIN)/python bench/lifecycle.py
+
+lint: venv
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache
