@@ -1,0 +1,24 @@
+import pytest
+
+from vmctl.network import NetworkConfig, nft_ruleset, slot_for
+
+
+def test_slots_are_distinct_30s():
+    cfg = NetworkConfig()
+    a, b = slot_for(0, "a", cfg), slot_for(1, "b", cfg)
+    assert a.host_addr == "169.254.128.1" and a.guest_addr == "169.254.128.2"
+    assert b.host_addr == "169.254.128.5" and a.host_if != b.host_if
+    assert len(a.host_if) <= 15
+
+
+def test_pool_validation():
+    with pytest.raises(ValueError, match="overlaps"):
+        NetworkConfig(pool="169.254.0.0/16")
+    with pytest.raises(ValueError):
+        NetworkConfig(pool="10.0.0.0/31")
+
+
+def test_deny_egress_ruleset_has_no_outbound_accept():
+    rules = nft_ruleset(slot_for(0, "a", NetworkConfig()), allow_egress=False)
+    assert "policy drop" in rules and "masquerade" not in rules
+    assert 'iifname "tap0" ct state new drop' in rules

@@ -1,0 +1,114 @@
+"""The QMP client and the QEMU driver's command sequences against a scripted fake QMP peer."""
+
+import asyncio
+import json
+
+import pytest
+
+from vmctl.errors import VMGoneError, VMProtocolError
+from vmctl.qmp import QMPClient
+
+
+class FakeQMP:
+    """A QMP server on a Unix socket that answers from a script and records commands."""
+
+    def __init__(self, path, replies=None):
+        self.path, self.replies, self.seen = path, replies or {}, []
+
+    async def start(self):
+        self.server = await asyncio.start_unix_server(self._serve, path=str(self.path))
+
+    async def _serve(self, reader, writer):
+        try:
+            await self._converse(reader, writer)
+        finally:
+            writer.close()
+
+    async def _converse(self, reader, writer):
+        writer.write(b'{"QMP": {"version": {}, "capabilities": []}}\r\n')
+        while line := await reader.readline():
+            msg = json.loads(line)
+            cmd = msg["execute"]
+            self.seen.append((cmd, msg.get("arguments")))
+            reply = self.replies.get(cmd, {"return": {}})
+            if callable(reply):
+                reply = reply()
+            if cmd == "stop":
+                writer.write(b'{"event": "STOP", "timestamp": {}}\r\n')
+            writer.write(json.dumps(reply).encode() + b"\r\n")
+            await writer.drain()
+            if cmd == "quit":
+                return
+
+    async def close(self):
+        self.server.close()
+        await self.server.wait_closed()
+
+
+async def test_negotiates_and_runs_commands(tmp_path):
+    peer = FakeQMP(tmp_path / "q.sock", {"query-status": {"return": {"status": "running"}}})
+    await peer.start()
+    qmp = QMPClient()
+    await qmp.connect(peer.path)
+    assert (await qmp.execute("query-status"))["status"] == "running"
+    await qmp.execute("stop")
+    assert (await qmp.wait_event("STOP", 1))["event"] == "STOP"
+    assert [c for c, _ in peer.seen] == ["qmp_capabilities", "query-status", "stop"]
+    await qmp.close()
+    await peer.close()
+
+
+async def test_errors_become_typed(tmp_path):
+    peer = FakeQMP(tmp_path / "q.sock", {"cont": {"error": {"class": "GenericError",
+                                                            "desc": "nope"}}})
+    await peer.start()
+    qmp = QMPClient()
+    await qmp.connect(peer.path)
+    with pytest.raises(VMProtocolError, match="nope"):
+        await qmp.execute("cont")
+    await qmp.execute("quit")
+    with pytest.raises(VMGoneError):
+        await qmp.execute("query-status")
+    await qmp.close()
+    await peer.close()
+
+
+async def test_snapshot_sequence(tmp_path):
+    """The driver's save sequence: x-ignore-shared, bandwidth, stop, migrate, poll, rename."""
+    from vmctl.drivers.qemu import QemuDriver
+    from vmctl.spec import VMSpec
+
+    polls = iter([{"return": {"status": "active"}}, {"return": {"status": "completed"}}])
+    peer = FakeQMP(tmp_path / "q.sock", {"query-migrate": lambda: next(polls)})
+    await peer.start()
+    drv = QemuDriver()
+    drv.spec = VMSpec(vm_id="x", workdir=tmp_path, kernel=tmp_path / "k", disk=tmp_path / "d",
+                      mem_file=tmp_path / "m")
+    await drv._qmp.connect(peer.path)
+
+    # The fake does not run `cat`, so create the file the migration would have written.
+    (tmp_path / "snap").mkdir()
+    (tmp_path / "snap" / "vmstate.tmp").write_bytes(b"state")
+    snap = await drv.snapshot(tmp_path / "snap")
+    cmds = [c for c, _ in peer.seen]
+    assert cmds == ["qmp_capabilities", "migrate-set-capabilities", "migrate-set-parameters",
+                    "stop", "migrate", "query-migrate", "query-migrate"]
+    caps = peer.seen[1][1]["capabilities"]
+    assert caps == [{"capability": "x-ignore-shared", "state": True}]
+    assert snap.state.read_bytes() == b"state" and snap.memory == tmp_path / "m"
+    await drv._qmp.close()
+    await peer.close()
+
+
+def test_argv_is_identical_for_boot_and_restore(tmp_path):
+    from vmctl.drivers.qemu import qemu_argv
+    from vmctl.spec import Accel, VMSpec
+
+    spec = VMSpec(vm_id="x", workdir=tmp_path, kernel=tmp_path / "k", disk=tmp_path / "d.qcow2",
+                  mem_file=tmp_path / "m", initrd=tmp_path / "i", netns="ns", accel=Accel.TCG)
+    argv = qemu_argv(spec, tmp_path / "q.sock")
+    assert "share=on" in " ".join(argv) and "format=qcow2" in " ".join(argv)
+    assert argv[argv.index("-accel") + 1].startswith("tcg")
+    assert argv.index("-initrd") < argv.index("-append")
+    kvm = qemu_argv(VMSpec(**{**spec.__dict__, "accel": Accel.KVM}), tmp_path / "q.sock")
+    assert kvm[kvm.index("-accel") + 1] == "kvm"
