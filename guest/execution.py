@@ -235,6 +235,8 @@ async def _spawn(
         os.close(err_r)
         if isinstance(exc, OSError):
             raise _spawn_error(exc, argv) from exc
+        if isinstance(exc, ValueError):  # NUL in an argument, '=' in an env name
+            raise BadRequest(f"cannot start the command: {exc}") from exc
         raise
     finally:
         os.close(out_w)  # only the child writes, so EOF arrives when its tree is done

@@ -185,6 +185,8 @@ async def test_client_disconnect_kills_the_group(client, tmp_path):
         {"command": "true", "timeout": 0},
         {"command": "true", "cwd": "relative"},
         {"command": "true", "bogus": 1},
+        {"command": "echo a\x00b"},
+        {"command": "true", "env": {"A=B": "1"}},
         ["command"],
     ],
 )

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import stat
 
+import aiohttp
 import pytest
 
 from guest import files
 from guest.agent import create_app
-from guest.errors import NoSpace, from_os_error
+from guest.errors import AgentError, NoSpace, from_os_error
 from guest.protocol import DirListing, FileInfo
 
 pytestmark = pytest.mark.timeout(60)
@@ -83,6 +85,36 @@ async def test_put_errors(client, tmp_path):
     assert (resp.status, await error_code(resp)) == (400, "is_a_directory")
     resp = await client.put("/files", params={"path": str(tmp_path / "afile" / "x")}, data=b"x")
     assert (resp.status, await error_code(resp)) == (400, "not_a_directory")
+
+
+async def test_failure_mid_download_drops_the_connection(client, tmp_path, monkeypatch):
+    # Once headers promised a length, an error must cut the body short, not append a JSON error.
+    async def failing(f, size):
+        yield b"x" * 10
+        raise AgentError("file shrank while being read")
+
+    monkeypatch.setattr(files, "read_chunks", failing)
+    (tmp_path / "f").write_bytes(b"y" * 100)
+    resp = await client.get("/files", params={"path": str(tmp_path / "f")})
+    assert resp.status == 200
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await resp.read()
+
+
+async def test_upload_cut_short_leaves_nothing(client, tmp_path):
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    path = tmp_path / "partial"
+    head = f"PUT /files?path={path} HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n"
+    writer.write(head.encode() + b"a" * 300_000)
+    await writer.drain()
+    await asyncio.sleep(0.2)
+    writer.close()
+    await writer.wait_closed()
+    for _ in range(100):
+        if not os.listdir(tmp_path):
+            break
+        await asyncio.sleep(0.02)
+    assert os.listdir(tmp_path) == []
 
 
 async def test_put_no_space_is_507_and_cleans_up(client, tmp_path, monkeypatch):
