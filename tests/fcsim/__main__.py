@@ -5,7 +5,8 @@
 
 Like the real binary: refuses to bind over an existing socket path, serves until
 killed, and exits (status 1, socket left behind, as a crashed VMM leaves it)
-after answering a failed snapshot load. FCSIM_VERSION overrides the version.
+after answering a failed snapshot load. FCSIM_VERSION overrides the version;
+FCSIM_CHROOT (set by the fake jailer) is where absolute paths resolve.
 """
 
 from __future__ import annotations
@@ -31,12 +32,15 @@ def _args(argv: list[str]) -> argparse.Namespace:
 
 
 async def _serve(sock: str, version: str, instance_id: str) -> int:
+    chroot = os.environ.get("FCSIM_CHROOT")
+    sim = Simulator(version=version, instance_id=instance_id, cwd=Path.cwd(),
+                    chroot=Path(chroot) if chroot else None)
+    sock = str(sim.host_path(sock))
     if os.path.lexists(sock):
         print(f"Failed to open the API socket at {sock}: Address in use", flush=True)
         return 1
     loop = asyncio.get_running_loop()
     done: asyncio.Future[int] = loop.create_future()
-    sim = Simulator(version=version, instance_id=instance_id, cwd=Path.cwd())
     app = make_app(sim, on_fatal=lambda: done.done() or done.set_result(1))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()

@@ -142,6 +142,7 @@ class Simulator:
     version: str = DEFAULT_VERSION
     instance_id: str = "anonymous-instance"
     cwd: Path = field(default_factory=Path.cwd)
+    chroot: Path | None = None  # set when started by the fake jailer: "/" maps here
     state: VMState = VMState.NOT_STARTED
     config: dict[str, Any] = field(default_factory=lambda: {
         "drives": {}, "network-interfaces": {}})
@@ -203,8 +204,16 @@ class Simulator:
         if not self.started:
             raise Fault(POST_BOOT_ONLY)
 
+    def host_path(self, value: str) -> Path:
+        """Where the process would find ``value``: relative to its cwd, and inside
+        its chroot when jailed."""
+        path = Path(value)
+        if not path.is_absolute():
+            return self.cwd / path
+        return self.chroot / path.relative_to("/") if self.chroot is not None else path
+
     def _file(self, value: str, what: str, fatal: bool = False) -> Path:
-        path = Path(value) if Path(value).is_absolute() else self.cwd / value
+        path = self.host_path(value)
         if not path.is_file():
             raise Fault(f"Unable to open {what} {value}: No such file or directory (os error 2)",
                         fatal=fatal)
@@ -380,7 +389,7 @@ class Simulator:
             f.truncate(mem_mib * _MIB)
 
     def _out(self, value: str) -> Path:
-        path = Path(value) if Path(value).is_absolute() else self.cwd / value
+        path = self.host_path(value)
         if not path.parent.is_dir():
             raise Fault(f"Cannot create snapshot file {value}: No such file or directory")
         return path
@@ -427,14 +436,13 @@ class Simulator:
         return data["config"]
 
     def _check_memory(self, backend: dict[str, str], saved: dict[str, Any]) -> None:
-        path = Path(backend["backend_path"])
-        path = path if path.is_absolute() else self.cwd / path
+        path = self.host_path(backend["backend_path"])
         if backend["backend_type"] == "Uffd":
             if not path.is_socket():
                 raise Fault(f"Load snapshot error: cannot connect to UFFD handler {path}",
                             fatal=True)
             return
-        self._file(str(path), "guest memory file", fatal=True)
+        self._file(backend["backend_path"], "guest memory file", fatal=True)
         want = saved.get("machine-config", {}).get("mem_size_mib", 128) * _MIB
         if path.stat().st_size != want:
             raise Fault(f"Load snapshot error: memory file {path} is "

@@ -246,6 +246,37 @@ async def test_snapshot_files_are_checked(root: Path) -> None:
         check_snapshot(qemu, _spec(root))
 
 
+# -- jailer ---------------------------------------------------------------------------------------
+
+
+async def test_jailed_boot_snapshot_restore_with_the_fake_jailer(root: Path) -> None:
+    cfg = JailerConfig(uid=os.getuid(), gid=os.getgid(), binary=str(FCSIM_DIR / "jailer"),
+                       chroot_base=root / "jail")
+    driver = FirecrackerDriver(jailer=cfg)
+    await driver.boot(_spec(root))
+    jail = root / "jail" / "firecracker" / "vm1" / "root"
+    try:
+        assert driver.control_socket == jail / "api.socket"
+        assert (jail / "rootfs").samefile(root / "disk.ext4")  # hard link, same inode
+        calls = await _calls(jail / "api.socket")
+        assert calls[0]["body"]["kernel_image_path"] == "vmlinux"  # resolved inside the jail
+        snap = await driver.snapshot(root / "snap")
+        create = (await _calls(jail / "api.socket"))[-1]["body"]
+        assert create["snapshot_path"] == "/vmstate.tmp"
+    finally:
+        await driver.destroy()
+    assert not (root / "jail" / "firecracker" / "vm1").exists()
+    assert snap.state.is_file() and snap.memory.is_file() and not list(jail.parent.glob("*"))
+
+    again = FirecrackerDriver(jailer=cfg)
+    await again.restore(snap, _spec(root, "vm2", disk=root / "vm2.ext4"))
+    try:
+        assert (await _calls(again.control_socket))[0]["body"]["snapshot_path"] == "vmstate"  # type: ignore[arg-type]
+    finally:
+        await again.destroy()
+    assert not (root / "jail" / "firecracker" / "vm2").exists()
+
+
 # -- adopt ----------------------------------------------------------------------------------------
 
 
