@@ -25,19 +25,21 @@ import pytest
 from tests.fcsim import DEFAULT_VERSION
 from vmctl.driver import pid_alive
 from vmctl.drivers import firecracker as fcmod
-from vmctl.drivers.fc_api import FirecrackerAPI
+from vmctl.drivers.fc_api import (
+    FirecrackerAPI,
+    boot_args,
+    boot_requests,
+    parse_version,
+    snapshot_load_body,
+)
 from vmctl.drivers.firecracker import (
     FIRECRACKER_VERSION,
     FirecrackerDriver,
     JailerConfig,
-    boot_args,
-    boot_requests,
     check_snapshot,
     firecracker_usable,
     jail_root,
     jailer_argv,
-    parse_version,
-    snapshot_load_body,
 )
 from vmctl.errors import SnapshotError, VMStartError
 from vmctl.spec import Accel, SnapshotFiles, VMSpec
@@ -317,11 +319,11 @@ def test_boot_args_adds_console_and_panic_policy() -> None:
 
 
 def test_load_body_network_override_needs_a_version_that_has_it() -> None:
-    body = snapshot_load_body("s", "m", "tap7")
+    body = snapshot_load_body("s", "m", "tap7", FIRECRACKER_VERSION)
     assert body["network_overrides"] == [{"iface_id": "eth0", "host_dev_name": "tap7"}]
     with pytest.raises(SnapshotError, match="1.12"):
         snapshot_load_body("s", "m", "tap7", version="1.10.1")
-    assert "network_overrides" not in snapshot_load_body("s", "m", None)
+    assert "network_overrides" not in snapshot_load_body("s", "m", None, FIRECRACKER_VERSION)
 
 
 def test_tap_override_only_when_the_tap_differs(root: Path) -> None:

@@ -11,6 +11,10 @@ failure, into vmctl's errors at this one edge:
 
 One ``aiohttp.ClientSession`` over a ``UnixConnector`` per VMM; ``aclose()`` is
 idempotent and must be called by the owner (the driver does it in ``_quit``).
+
+The request bodies the driver sends are built here too, by pure functions
+(checked field by field against the swagger of the pinned release), so tests
+can compare them with what the simulator records.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 from pathlib import Path
 from collections.abc import Callable
@@ -25,10 +30,15 @@ from typing import Any
 
 import aiohttp
 
-from vmctl.errors import VMGoneError, VMProtocolError, VMTimeoutError
+from vmctl.errors import SnapshotError, VMGoneError, VMProtocolError, VMTimeoutError
+from vmctl.spec import VMSpec
 
 # Firecracker ignores the host part, but HTTP/1.1 needs one.
 _BASE = "http://localhost"
+_VERSION_RE = re.compile(r"v?(\d+)\.(\d+)\.(\d+)")
+NETWORK_OVERRIDES_SINCE = (1, 12)
+ROOT_DRIVE_ID, ROOT_DRIVE_PATH = "rootfs", "rootfs"  # relative: see firecracker.py
+IFACE_ID = "eth0"
 
 
 class FirecrackerFault(VMProtocolError):
@@ -124,3 +134,68 @@ def _decode(method: str, path: str, status: int, raw: bytes) -> Any:
         return payload
     message = payload.get("fault_message") if isinstance(payload, dict) else None
     raise FirecrackerFault(method, path, status, str(message or payload or "(no body)"))
+
+
+def parse_version(text: str) -> str:
+    """``Firecracker v1.16.1`` (first line of ``--version``) -> ``1.16.1``."""
+    match = _VERSION_RE.search(text.strip().splitlines()[0] if text.strip() else "")
+    if match is None:
+        raise ValueError(f"no version in {text[:80]!r}")
+    return ".".join(match.groups())
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in parse_version(version).split("."))
+
+
+# -- request bodies (pure) ---------------------------------------------------------------------
+
+
+def boot_args(cmdline: str) -> str:
+    """spec.cmdline plus what a Firecracker guest needs: a serial console, and a
+    reboot or panic that ends the VMM instead of hanging it."""
+    args = cmdline.split()
+    if not any(a.startswith("console=") for a in args):
+        args.insert(0, "console=ttyS0")
+    if not any(a.startswith("reboot=") for a in args):
+        args.append("reboot=k")
+    if not any(a.startswith("panic=") for a in args):
+        args.append("panic=1")
+    return " ".join(args)
+
+
+def boot_requests(spec: VMSpec, kernel: str, initrd: str | None,
+                  network: bool) -> list[tuple[str, str, dict[str, Any]]]:
+    """The API calls that configure and start a fresh VM, in order."""
+    source: dict[str, Any] = {"kernel_image_path": kernel, "boot_args": boot_args(spec.cmdline)}
+    if initrd is not None:
+        source["initrd_path"] = initrd
+    calls: list[tuple[str, str, dict[str, Any]]] = [
+        ("PUT", "/boot-source", source),
+        ("PUT", f"/drives/{ROOT_DRIVE_ID}", {
+            "drive_id": ROOT_DRIVE_ID, "is_root_device": True, "is_read_only": False,
+            "path_on_host": ROOT_DRIVE_PATH}),
+        ("PUT", "/machine-config", {"vcpu_count": spec.vcpus, "mem_size_mib": spec.mem_mib,
+                                    "smt": False}),
+    ]
+    if network:
+        calls.append(("PUT", f"/network-interfaces/{IFACE_ID}", {
+            "iface_id": IFACE_ID, "host_dev_name": spec.tap, "guest_mac": spec.mac}))
+    calls.append(("PUT", "/entropy", {}))
+    calls.append(("PUT", "/actions", {"action_type": "InstanceStart"}))
+    return calls
+
+
+def snapshot_load_body(state: str, memory: str, tap_override: str | None,
+                       version: str) -> dict[str, Any]:
+    """``PUT /snapshot/load``: File memory backend, resume at once; the NIC moves to
+    ``tap_override`` when given (needs ``network_overrides``, Firecracker 1.12+)."""
+    body: dict[str, Any] = {"snapshot_path": state,
+                            "mem_backend": {"backend_type": "File", "backend_path": memory},
+                            "resume_vm": True}
+    if tap_override is not None:
+        if version_tuple(version)[:2] < NETWORK_OVERRIDES_SINCE:
+            raise SnapshotError(f"Firecracker {version} cannot move a restored NIC to "
+                                f"TAP {tap_override!r} (network_overrides needs 1.12+)")
+        body["network_overrides"] = [{"iface_id": IFACE_ID, "host_dev_name": tap_override}]
+    return body

@@ -42,10 +42,15 @@ import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from vmctl.driver import Driver
-from vmctl.drivers.fc_api import FirecrackerAPI
+from vmctl.drivers.fc_api import (
+    ROOT_DRIVE_PATH,
+    FirecrackerAPI,
+    boot_requests,
+    parse_version,
+    snapshot_load_body,
+)
 from vmctl.errors import SnapshotError, VMProtocolError, VMStartError, VmctlError
 from vmctl.spec import Accel, SnapshotFiles, VMMRecord, VMSpec
 
@@ -56,18 +61,14 @@ from vmctl.spec import Accel, SnapshotFiles, VMMRecord, VMSpec
 # snapshots of its own format, so the pin is exact: a host upgrade is a new pin.
 FIRECRACKER_VERSION = "1.16.1"
 FIRECRACKER_BINARY = "firecracker"
-NETWORK_OVERRIDES_SINCE = (1, 12)
 
 API_SOCKET = "firecracker.sock"  # in spec.workdir (direct mode)
 JAIL_API_SOCKET = "api.socket"  # in the jail root
 CONSOLE_LOG = "console.log"  # the VMM's stdout+stderr: guest serial console + VMM messages
-ROOT_DRIVE_ID, ROOT_DRIVE_PATH = "rootfs", "rootfs"
-IFACE_ID = "eth0"
 STATE_FILE, MEMORY_FILE, DISK_FILE = "vmstate", "memory", "disk"
 START_TIMEOUT_S, LOAD_TIMEOUT_S, SNAPSHOT_TIMEOUT_S = 10.0, 60.0, 600.0
 _KVM_GET_API_VERSION = 0xAE00
 _SUN_PATH_MAX = 107
-_VERSION_RE = re.compile(r"v?(\d+)\.(\d+)\.(\d+)")
 _JAIL_ID_RE = re.compile(r"[A-Za-z0-9-]{1,64}")
 
 
@@ -103,18 +104,6 @@ def firecracker_usable(binary: str = FIRECRACKER_BINARY, kvm: Path = Path("/dev/
         return False, (f"{path} is Firecracker {version}, "
                        f"the driver is pinned to {FIRECRACKER_VERSION}")
     return True, f"Firecracker {version} at {path}, {kvm} usable"
-
-
-def parse_version(text: str) -> str:
-    """``Firecracker v1.16.1`` (first line of ``--version``) -> ``1.16.1``."""
-    match = _VERSION_RE.search(text.strip().splitlines()[0] if text.strip() else "")
-    if match is None:
-        raise ValueError(f"no version in {text[:80]!r}")
-    return ".".join(match.groups())
-
-
-def version_tuple(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in parse_version(version).split("."))
 
 
 _version_cache: dict[tuple[str, int, int], str] = {}
@@ -198,57 +187,6 @@ def jailer_argv(cfg: JailerConfig, firecracker: str, vm_id: str,
     for item in cfg.resource_limits:
         argv += ["--resource-limit", item]
     return argv + ["--", "--api-sock", "/" + JAIL_API_SOCKET]
-
-
-# -- request bodies (pure) ---------------------------------------------------------------------
-
-
-def boot_args(cmdline: str) -> str:
-    """spec.cmdline plus what a Firecracker guest needs: a serial console, and a
-    reboot or panic that ends the VMM instead of hanging it."""
-    args = cmdline.split()
-    if not any(a.startswith("console=") for a in args):
-        args.insert(0, "console=ttyS0")
-    if not any(a.startswith("reboot=") for a in args):
-        args.append("reboot=k")
-    if not any(a.startswith("panic=") for a in args):
-        args.append("panic=1")
-    return " ".join(args)
-
-
-def boot_requests(spec: VMSpec, kernel: str, initrd: str | None,
-                  network: bool) -> list[tuple[str, str, dict[str, Any]]]:
-    """The API calls that configure and start a fresh VM, in order."""
-    source: dict[str, Any] = {"kernel_image_path": kernel, "boot_args": boot_args(spec.cmdline)}
-    if initrd is not None:
-        source["initrd_path"] = initrd
-    calls: list[tuple[str, str, dict[str, Any]]] = [
-        ("PUT", "/boot-source", source),
-        ("PUT", f"/drives/{ROOT_DRIVE_ID}", {
-            "drive_id": ROOT_DRIVE_ID, "is_root_device": True, "is_read_only": False,
-            "path_on_host": ROOT_DRIVE_PATH}),
-        ("PUT", "/machine-config", {"vcpu_count": spec.vcpus, "mem_size_mib": spec.mem_mib,
-                                    "smt": False}),
-    ]
-    if network:
-        calls.append(("PUT", f"/network-interfaces/{IFACE_ID}", {
-            "iface_id": IFACE_ID, "host_dev_name": spec.tap, "guest_mac": spec.mac}))
-    calls.append(("PUT", "/entropy", {}))
-    calls.append(("PUT", "/actions", {"action_type": "InstanceStart"}))
-    return calls
-
-
-def snapshot_load_body(state: str, memory: str, tap_override: str | None,
-                       version: str = FIRECRACKER_VERSION) -> dict[str, Any]:
-    body: dict[str, Any] = {"snapshot_path": state,
-                            "mem_backend": {"backend_type": "File", "backend_path": memory},
-                            "resume_vm": True}
-    if tap_override is not None:
-        if version_tuple(version)[:2] < NETWORK_OVERRIDES_SINCE:
-            raise SnapshotError(f"Firecracker {version} cannot move a restored NIC to "
-                                f"TAP {tap_override!r} (network_overrides needs 1.12+)")
-        body["network_overrides"] = [{"iface_id": IFACE_ID, "host_dev_name": tap_override}]
-    return body
 
 
 def check_snapshot(snapshot: SnapshotFiles, spec: VMSpec) -> str | None:
