@@ -214,3 +214,21 @@ async def test_owner_aclose_kills_running_groups(tmp_path):
     assert result.exit_code == -9
     assert owner.running == 0
     assert await wait_gone(pid)
+
+
+async def test_background_child_keeps_writing_after_the_exec_returns():
+    # Its pipes are drained to nowhere: it neither blocks on a full pipe nor dies of SIGPIPE.
+    owner = ExecOwner()
+    cmd = "(sleep 1.5; head -c 1000000 /dev/zero; sleep 30) & echo $!"  # writes after the grace
+    result = await Executor(owner).run(ExecRequest(command=cmd))
+    pid = int(result.stdout)
+    try:
+        assert owner.lingering == 2  # its stdout and stderr
+        await asyncio.sleep(2.5)
+        assert not gone(pid)
+    finally:
+        os.killpg(os.getpgid(pid), 9)  # the whole leftover tree (the exec's group)
+    deadline = time.monotonic() + 5
+    while owner.lingering and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert owner.lingering == 0  # EOF once the last writer died
