@@ -203,8 +203,11 @@ async def test_restore_onto_the_snapshot_disk_does_not_copy(root: Path) -> None:
     before = snap.disk.stat().st_ino
     driver = FirecrackerDriver()
     await driver.restore(snap, _spec(root, "vm3", disk=snap.disk))
-    await driver.destroy()
-    assert snap.disk.stat().st_ino == before
+    try:
+        again = await driver.snapshot(snap.state.parent)  # suspend into the same place
+    finally:
+        await driver.destroy()
+    assert snap.disk.stat().st_ino == before == again.disk.stat().st_ino
 
 
 @pytest.mark.parametrize("breakage", ["garbage_state", "short_memory"])
@@ -299,6 +302,18 @@ async def test_adopt_reconnects_and_destroy_kills_a_non_child(root: Path) -> Non
         await first.destroy()  # reaps our own child; nothing left to kill
     assert not pid_alive(record.pid)
     assert not Path(record.control_socket).exists()
+
+
+async def test_failed_adopt_closes_its_api_client(root: Path) -> None:
+    from vmctl.errors import VMGoneError
+    from vmctl.spec import VMMRecord
+
+    record = VMMRecord("firecracker", os.getpid(), str(root / "gone.sock"), str(root), "kvm", 0.0)
+    driver = FirecrackerDriver()
+    with pytest.raises(VMGoneError):
+        await driver.adopt(record, _spec(root))
+    driver.pid = None  # that pid is this test process: never let destroy() near it
+    assert driver._api is None
 
 
 # -- pure pieces ----------------------------------------------------------------------------------

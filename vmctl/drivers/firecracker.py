@@ -223,7 +223,6 @@ class FirecrackerDriver(Driver):
         self.version: str | None = None
         self._api: FirecrackerAPI | None = None
         self._jail: Path | None = None  # jail root on the host (jailer mode)
-        self._made: list[Path] = []  # links we created for the VMM; removed on destroy
 
     def __repr__(self) -> str:
         return f"<FirecrackerDriver pid={self.pid} jailed={self.jailer is not None}>"
@@ -265,9 +264,14 @@ class FirecrackerDriver(Driver):
         self._api = FirecrackerAPI(Path(record.control_socket))
         if self.jailer is not None:
             self._jail = Path(record.control_socket).parent
-        info = await self._api.get("/", timeout=5.0)
-        if info.get("state") not in ("Running", "Paused"):
-            raise VMProtocolError(f"adopted VMM is {info.get('state')!r}")
+        try:
+            info = await self._api.get("/", timeout=5.0)
+            if info.get("state") not in ("Running", "Paused"):
+                raise VMProtocolError(f"adopted VMM is {info.get('state')!r}")
+        except BaseException:
+            await self._api.aclose()  # the caller may drop us without destroy()
+            self._api = None
+            raise
         try:
             self.version = parse_version(str(info.get("vmm_version", "")))
         except ValueError:
@@ -293,7 +297,9 @@ class FirecrackerDriver(Driver):
         finally:
             tmp_state.unlink(missing_ok=True)
             tmp_mem.unlink(missing_ok=True)
-        await copy_sparse(self.spec.disk, dest / DISK_FILE)
+        if not _same_file(self.spec.disk, dest / DISK_FILE):
+            # (Same file: the VM runs on this snapshot's disk; resuming it mutates the snapshot.)
+            await copy_sparse(self.spec.disk, dest / DISK_FILE)
         extra = {"firecracker_version": self.version,
                  "tap": self.spec.tap if self.spec.netns is not None else None,
                  "vcpus": self.spec.vcpus, "mem_mib": self.spec.mem_mib}
@@ -316,10 +322,9 @@ class FirecrackerDriver(Driver):
 
     def _cleanup_files(self) -> None:
         super()._cleanup_files()
-        for path in self._made:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-        self._made.clear()
+        link = self.spec.workdir / ROOT_DRIVE_PATH if self.spec is not None else None
+        if link is not None and link.is_symlink():
+            link.unlink()
         if self._jail is not None:
             shutil.rmtree(self._jail.parent, ignore_errors=True)  # <base>/<exec>/<id>
             self._jail = None
@@ -355,7 +360,6 @@ class FirecrackerDriver(Driver):
             link = self.spec.workdir / ROOT_DRIVE_PATH
             link.unlink(missing_ok=True)
             link.symlink_to(disk.resolve())
-            self._made.append(link)
         else:
             self._expose(disk, ROOT_DRIVE_PATH, writable=True)
 
@@ -441,12 +445,18 @@ async def copy_sparse(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except FileNotFoundError:
+        return False
+
+
 async def _restore_disk(snapshot_disk: Path, disk: Path) -> None:
     """The VM resumes on ``disk``, which must hold the snapshot's disk: copy it over
     unless the caller handed us the snapshot's own file (the snapshot is then consumed)."""
-    with contextlib.suppress(FileNotFoundError):
-        if os.path.samefile(snapshot_disk, disk):
-            return
+    if _same_file(snapshot_disk, disk):
+        return
     disk.parent.mkdir(parents=True, exist_ok=True)
     await copy_sparse(snapshot_disk, disk)
 
