@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import replace
@@ -52,6 +53,7 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.fixture(autouse=True)
 def fake_firecracker(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", f"{FCSIM_DIR}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FCSIM_PYTHON", sys.executable)  # the one with aiohttp
 
 
 @pytest.fixture
