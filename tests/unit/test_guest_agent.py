@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import signal
 import socket
@@ -175,3 +176,8 @@ async def wait_for_health(port: int, within: float = 15.0) -> Health:
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.05)
+
+
+async def test_oversized_body_is_413(client):
+    resp = await client.post("/exec", data=io.BytesIO(b" " * (17 * 1024 * 1024)))
+    assert await error_of(resp) == (413, "too_large")
