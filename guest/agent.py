@@ -97,6 +97,8 @@ class Agent:
             try:
                 async for chunk in files.read_chunks(f, size):
                     await resp.write(chunk)
+            except ConnectionError:
+                return resp  # the client left; there is nobody to tell
             except Exception as exc:
                 raise ResponseStarted(f"GET {path}: {exc}") from exc
             await resp.write_eof()
@@ -170,7 +172,7 @@ async def errors_to_json(
     except ResponseStarted:
         raise  # aiohttp drops the connection: the client sees a short body, not a lie
     except AgentError as exc:
-        if exc.status >= 500 and not isinstance(exc, ClientGone):
+        if exc.status >= 500:
             log.warning("%s %s: %s", request.method, request.path, exc)
         return _json(error_body(exc.code, str(exc)), exc.status)
     except ProtocolError as exc:

@@ -41,7 +41,7 @@ def kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        pass  # the group is already empty
+        pass  # the group is already empty (or, when not root, not ours to kill)
 
 
 class PipeCapture:

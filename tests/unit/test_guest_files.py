@@ -214,3 +214,12 @@ def test_os_error_mapping():
     assert isinstance(from_os_error(OSError(errno.ENOSPC, "full"), "/x"), NoSpace)
     err = from_os_error(OSError(errno.EACCES, "denied"), "/x")
     assert (err.status, err.code) == (500, "internal")
+
+
+async def test_download_abandoned_by_the_client(client, tmp_path):
+    (tmp_path / "big").write_bytes(b"z" * (32 * MiB))
+    resp = await client.get("/files", params={"path": str(tmp_path / "big")})
+    await resp.content.readexactly(1024)
+    resp.close()  # the server's writes now fail; it must give up quietly and close the file
+    await asyncio.sleep(0.5)
+    assert (await client.get("/health")).status == 200
