@@ -29,7 +29,7 @@ class VMConfig:
     vmm: str = "auto"
     accel: str = "auto"  # QEMU only; "auto" = KVM if the boot probe works
     vcpus: int = 1
-    ready_timeout: float = 120.0  # cold boot to agent-ready (TCG is slow)
+    ready_timeout: float = 60.0  # cold boot to agent-ready (TCG is slow)
     restore_timeout: float = 30.0  # restore to agent-ready
     network: NetworkConfig = field(default_factory=NetworkConfig)
 

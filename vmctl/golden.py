@@ -102,6 +102,10 @@ async def _build(image, backend: Backend, final: Path,  # type: ignore[no-untype
         progress(f"golden[{image.name}]: snapshot saved in {time.monotonic() - started:.1f}s")
     except BaseException:
         await asyncio.shield(driver.destroy())
+        console = tmp / "vm" / "console.log"
+        if console.exists():
+            tail = console.read_bytes()[-3000:].decode(errors="replace")
+            log.error("golden[%s] build failed; guest console:\n%s", image.name, tail)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:

@@ -83,7 +83,6 @@ class QemuDriver(Driver):
             {"capability": "x-ignore-shared", "state": True}]})
         await self._qmp.execute("migrate-incoming",
                                 {"uri": "exec:cat " + shlex.quote(str(snapshot.state))})
-        # Without -S QEMU starts the guest itself once the stream is loaded.
         await self._wait_running(timeout=30.0)
 
     async def _adopt(self, record: VMMRecord) -> None:
@@ -136,14 +135,21 @@ class QemuDriver(Driver):
             raise VMStartError(f"QEMU did not come up: {exc}; log: {tail}") from exc
 
     async def _wait_running(self, timeout: float) -> None:
+        """Wait for the incoming stream to load, then start the guest.
+
+        The stream carries the source's run state: a snapshot taken while paused
+        loads into a paused VM, which we start with ``cont``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
-            status = await self._qmp.execute("query-status")
-            if status.get("status") == "running":
+            status = (await self._qmp.execute("query-status")).get("status")
+            if status == "running":
                 return
-            if status.get("status") not in ("inmigrate", "paused", "prelaunch"):
-                raise VMProtocolError(f"restore ended in state {status.get('status')!r}")
+            if status in ("paused", "postmigrate"):
+                await self._qmp.execute("cont")
+                return
+            if status not in ("inmigrate", "prelaunch"):
+                raise VMProtocolError(f"restore ended in state {status!r}")
             if loop.time() > deadline:
                 raise VMTimeoutError(f"restore did not finish within {timeout}s")
             await asyncio.sleep(_MIGRATION_POLL_S)
