@@ -16,6 +16,7 @@ _STARTED = time.monotonic()  # before the heavy imports: the start-up figure inc
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
+import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
@@ -27,16 +28,23 @@ from aiohttp import web  # noqa: E402
 from guest import files, restore  # noqa: E402
 from guest.errors import AgentError, BadJson, ClientGone, InvalidPath, ResponseStarted  # noqa: E402
 from guest.execution import ExecOwner, Executor  # noqa: E402
+from guest.interpreter import ExecutionCollector, Interpreter  # noqa: E402
 from guest.keepawake import count_vetoes, ensure_dir, veto_dir  # noqa: E402
+from guest.processes import ManagedProcess, ProcessTable  # noqa: E402
 from guest.protocol import (  # noqa: E402
     AGENT_PORT,
     PROTOCOL_VERSION,
+    CommandRequest,
+    CreateContextRequest,
     DirListing,
     ExecRequest,
     Health,
     InitRequest,
     ProtocolError,
+    RunCodeRequest,
+    SignalRequest,
     error_body,
+    validate_context_name,
     validate_path,
 )
 
@@ -44,6 +52,8 @@ log = logging.getLogger("agentbox.guest")
 T = TypeVar("T")
 DISCONNECT_POLL = 0.25  # seconds between checks that an exec's client is still there
 MAX_JSON_BYTES = 16 * 1024 * 1024  # /exec bodies carry code; /files bodies are streamed
+MAX_WAIT = 3600.0  # seconds one GET /commands/{pid}/wait may block
+NDJSON = "application/x-ndjson"
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}
 
 
@@ -51,10 +61,16 @@ class Agent:
     """The endpoints' handlers and what they share: the exec owner, base env, veto dir."""
 
     def __init__(
-        self, keepawake_dir: str, setters: restore.SystemSetters, shell: str | None = None
+        self,
+        keepawake_dir: str,
+        setters: restore.SystemSetters,
+        shell: str | None = None,
+        python: str | None = None,
     ) -> None:
         self.owner = ExecOwner()
         self.executor = Executor(self.owner, shell)
+        self.interpreter = Interpreter(self.executor.env, python)
+        self.processes = ProcessTable(self.executor.env, self.executor.shell)
         self.keepawake_dir = keepawake_dir
         self.setters = setters
 
@@ -65,14 +81,19 @@ class Agent:
             log.warning("cannot create %s: %s", self.keepawake_dir, exc)
         yield
         await self.owner.aclose()
+        await self.processes.aclose()
+        await self.interpreter.aclose()
 
     async def on_shutdown(self, app: web.Application) -> None:
         # Before aiohttp waits for in-flight handlers: a running exec ends now, as killed.
         self.owner.kill_all()
+        self.processes.kill_all()
+        self.interpreter.kill_all()
 
     async def health(self, request: web.Request) -> web.Response:
         veto = count_vetoes(self.keepawake_dir)
-        return _json(Health("ok", PROTOCOL_VERSION, running=self.owner.running, veto=veto))
+        running = self.owner.running + self.processes.running + self.interpreter.running
+        return _json(Health("ok", PROTOCOL_VERSION, running=running, veto=veto))
 
     async def exec(self, request: web.Request) -> web.Response:
         req = ExecRequest.from_dict(await _read_json(request))
@@ -115,12 +136,119 @@ class Agent:
         await asyncio.to_thread(files.delete, _query_path(request))
         return web.Response(status=204)
 
+    # -- code interpreter (guest/interpreter.py) ------------------------------------
+
+    async def create_context(self, request: web.Request) -> web.Response:
+        req = CreateContextRequest.from_dict(await _read_json(request, empty={}))
+        return _json(await self.interpreter.create(req), 201)
+
+    async def list_contexts(self, request: web.Request) -> web.Response:
+        return _json({"contexts": [c.to_dict() for c in self.interpreter.list()]})
+
+    async def delete_context(self, request: web.Request) -> web.Response:
+        await self.interpreter.delete(validate_context_name(request.match_info["name"]))
+        return web.Response(status=204)
+
+    async def run_code(self, request: web.Request) -> web.StreamResponse:
+        req = RunCodeRequest.from_dict(await _read_json(request))
+        if req.stream:
+            stream = NdjsonStream(request)
+            return await stream.run(self.interpreter.run(req, stream.emit))
+        collector = ExecutionCollector()
+        await _unless_disconnected(request, self.interpreter.run(req, collector.emit))
+        return _json(collector.result())
+
+    # -- commands (guest/processes.py) ----------------------------------------------
+
+    async def start_command(self, request: web.Request) -> web.StreamResponse:
+        req = CommandRequest.from_dict(await _read_json(request))
+        mp = await self.processes.start(req)
+        if req.background:
+            return _json(mp.info(), 201)
+        stream = NdjsonStream(request)
+        try:
+            return await stream.run(self._foreground(mp, stream))
+        finally:
+            self.processes.kill(mp.pid)  # a foreground command ends with its client
+
+    async def _foreground(self, mp: ManagedProcess, stream: NdjsonStream) -> None:
+        await stream.emit({"type": "start", "pid": mp.pid})
+        async for event in mp.events(0, follow=True):
+            await stream.emit(event)
+
+    async def list_commands(self, request: web.Request) -> web.Response:
+        return _json({"commands": [p.to_dict() for p in self.processes.list()]})
+
+    async def get_command(self, request: web.Request) -> web.Response:
+        return _json(self.processes.get(_pid(request)).info())
+
+    async def command_stdin(self, request: web.Request) -> web.Response:
+        pid = _pid(request)
+        eof = _flag(request, "eof")
+        await self.processes.write_stdin(pid, _body(request, f"stdin of {pid}"), eof)
+        return web.Response(status=204)
+
+    async def signal_command(self, request: web.Request) -> web.Response:
+        req = SignalRequest.from_dict(await _read_json(request, empty={}))
+        self.processes.signal(_pid(request), req)
+        return web.Response(status=204)
+
+    async def wait_command(self, request: web.Request) -> web.Response:
+        pid = _pid(request)
+        timeout = _number(request, "timeout", 30.0, MAX_WAIT)
+        return _json(await _unless_disconnected(request, self.processes.wait(pid, timeout)))
+
+    async def command_output(self, request: web.Request) -> web.StreamResponse:
+        mp = self.processes.get(_pid(request))
+        offset = int(_number(request, "offset", 0, float(2**62)))
+        stream = NdjsonStream(request)
+
+        async def pump() -> None:
+            async for event in mp.events(offset, follow=_flag(request, "follow")):
+                await stream.emit(event)
+
+        return await stream.run(pump())
+
+
+class NdjsonStream:
+    """A streamed answer of JSON lines, started by the first event.
+
+    Errors before the first event are ordinary JSON errors; after it they can
+    only cut the stream short (``ResponseStarted``). A client that leaves ends
+    the work (``_unless_disconnected``), quietly."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response = web.StreamResponse(headers={"Content-Type": NDJSON})
+
+    async def emit(self, event: dict[str, Any]) -> None:
+        if not self.response.prepared:
+            await self.response.prepare(self.request)
+        await self.response.write(json.dumps(event).encode() + b"\n")
+
+    async def run(self, work: Awaitable[None]) -> web.StreamResponse:
+        try:
+            await _unless_disconnected(self.request, work)
+            if not self.response.prepared:
+                await self.response.prepare(self.request)
+            await self.response.write_eof()
+        except (ConnectionError, ClientGone):
+            if not self.response.prepared:
+                raise
+        except Exception as exc:
+            if self.response.prepared:
+                raise ResponseStarted(f"{self.request.path}: {exc}") from exc
+            raise
+        return self.response
+
 
 def _json(obj: Any, status: int = 200) -> web.Response:
     return web.json_response(obj.to_dict() if hasattr(obj, "to_dict") else obj, status=status)
 
 
-async def _read_json(request: web.Request) -> object:
+async def _read_json(request: web.Request, empty: object = None) -> object:
+    if empty is not None and not await request.read():
+        return empty  # an empty body where every field has a default
     try:
         return await request.json()
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
@@ -133,6 +261,25 @@ async def _body(request: web.Request, path: str) -> AsyncIterator[bytes]:
             yield chunk
     except Exception as exc:  # reading a request body fails only when the client left
         raise ClientGone(f"upload of {path} cut short: {exc}") from exc
+
+
+def _pid(request: web.Request) -> int:
+    return int(request.match_info["pid"])  # the route admits digits only
+
+
+def _flag(request: web.Request, name: str) -> bool:
+    return request.query.get(name, "").lower() in ("1", "true", "yes")
+
+
+def _number(request: web.Request, name: str, default: float, maximum: float) -> float:
+    raw = request.query.get(name)
+    try:
+        value = default if raw is None else float(raw)
+    except ValueError as exc:
+        raise ProtocolError(f"'{name}' must be a number") from exc
+    if not 0 <= value <= maximum:
+        raise ProtocolError(f"'{name}' must be between 0 and {maximum:g}")
+    return value
 
 
 def _query_path(request: web.Request) -> str:
@@ -192,9 +339,12 @@ def create_app(
     keepawake_dir: str | None = None,
     setters: restore.SystemSetters | None = None,
     shell: str | None = None,
+    python: str | None = None,
 ) -> web.Application:
-    """The agent's aiohttp app; tests inject ``setters`` so the host clock is never touched."""
-    agent = Agent(keepawake_dir or veto_dir(), setters or restore.SystemSetters(), shell)
+    """The agent's aiohttp app; tests inject ``setters`` so the host clock is never touched.
+
+    ``python`` runs interpreter contexts (default: the agent's own interpreter)."""
+    agent = Agent(keepawake_dir or veto_dir(), setters or restore.SystemSetters(), shell, python)
     app = web.Application(middlewares=[errors_to_json], client_max_size=MAX_JSON_BYTES)
     app.cleanup_ctx.append(agent.lifespan)
     app.on_shutdown.append(agent.on_shutdown)
@@ -206,6 +356,17 @@ def create_app(
     router.add_put("/files", agent.put_file)
     router.add_delete("/files", agent.delete_file)
     router.add_get("/files/stat", agent.stat_file, allow_head=False)
+    router.add_post("/contexts", agent.create_context)
+    router.add_get("/contexts", agent.list_contexts, allow_head=False)
+    router.add_delete("/contexts/{name}", agent.delete_context)
+    router.add_post("/run_code", agent.run_code)
+    router.add_post("/commands", agent.start_command)
+    router.add_get("/commands", agent.list_commands, allow_head=False)
+    router.add_get(r"/commands/{pid:\d+}", agent.get_command, allow_head=False)
+    router.add_post(r"/commands/{pid:\d+}/stdin", agent.command_stdin)
+    router.add_post(r"/commands/{pid:\d+}/signal", agent.signal_command)
+    router.add_get(r"/commands/{pid:\d+}/wait", agent.wait_command, allow_head=False)
+    router.add_get(r"/commands/{pid:\d+}/output", agent.command_output, allow_head=False)
     return app
 
 

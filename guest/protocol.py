@@ -19,6 +19,30 @@ Endpoints (all JSON unless noted; errors are ``{"error": {"code", "message"}}``)
   GET    /files/stat?path=P   -> FileInfo
   DELETE /files?path=P        -> 204                 (a directory is removed recursively)
   POST   /init    InitRequest -> 204                 (after restore: clock, entropy, env)
+
+Code interpreter (stateful Python contexts; ``guest/interpreter.py``):
+
+  POST   /contexts            CreateContextRequest -> ContextInfo
+  GET    /contexts            -> {"contexts": [ContextInfo]}
+  DELETE /contexts/{name}     -> 204
+  POST   /run_code            RunCodeRequest -> Execution, or with ``stream`` NDJSON lines:
+                              {"type": "stdout"|"stderr", "data"}, {"type": "result", "result"},
+                              {"type": "error", "error": ExecutionError}, then
+                              {"type": "end", "execution_count", "duration_ms"}
+
+Commands (background processes with reattachable output; ``guest/processes.py``):
+
+  POST   /commands            CommandRequest -> ProcessInfo (background), or NDJSON
+                              {"type": "start", "pid"} + output lines (foreground)
+  GET    /commands            -> {"commands": [ProcessInfo]}
+  GET    /commands/{pid}      -> ProcessInfo
+  POST   /commands/{pid}/stdin   <- raw bytes (``?eof=1`` closes stdin after them) -> 204
+  POST   /commands/{pid}/signal  SignalRequest -> 204
+  GET    /commands/{pid}/wait?timeout=S   -> ProcessInfo (``running`` is true if S passed)
+  GET    /commands/{pid}/output?offset=N&follow=1  -> NDJSON output lines:
+                              {"type": "stdout"|"stderr", "data", "offset", "next_offset"},
+                              {"type": "dropped", "offset", "next_offset"} (ring overwritten),
+                              {"type": "exit", "exit_code", "offset"} (once finished)
 """
 
 from __future__ import annotations
@@ -201,3 +225,242 @@ class InitRequest:
 
 def error_body(code: str, message: str) -> dict[str, Any]:
     return {"error": {"code": code, "message": message}}
+
+
+# -- code interpreter ---------------------------------------------------------------
+
+DEFAULT_CONTEXT = "default"
+INTERPRETER_LANGUAGES = ("python",)
+MAX_CONTEXT_NAME = 64
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+
+
+def validate_context_name(name: object) -> str:
+    """Context names are 1-64 characters of ``[A-Za-z0-9_.-]`` (they appear in URLs)."""
+    if not isinstance(name, str) or not name or len(name) > MAX_CONTEXT_NAME:
+        raise ProtocolError(f"context name must be 1-{MAX_CONTEXT_NAME} characters")
+    if not set(name) <= _NAME_CHARS or name in (".", ".."):
+        raise ProtocolError(f"context name may hold only letters, digits, '_', '.', '-': {name!r}")
+    return name
+
+
+def _check_env(env: object) -> None:
+    if not isinstance(env, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    ):
+        raise ProtocolError("'env' must map strings to strings")
+
+
+def _check_timeout(timeout: object, optional: bool = False) -> None:
+    if optional and timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise ProtocolError("'timeout' must be a number of seconds")
+    if not 0 < timeout <= 24 * 3600:
+        raise ProtocolError("'timeout' must be > 0 and <= 86400 seconds")
+
+
+@dataclass(frozen=True)
+class CreateContextRequest:
+    """A new interpreter context: its own python3 process, globals, cwd and env."""
+
+    name: str | None = None  # None: the agent picks one ("ctx-<hex>")
+    cwd: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.name is not None:
+            validate_context_name(self.name)
+        if self.cwd is not None:
+            validate_path(self.cwd)
+        _check_env(self.env)
+
+    @classmethod
+    def from_dict(cls, data: object) -> CreateContextRequest:
+        return _from_dict(cls, data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class ContextInfo:
+    name: str
+    language: str
+    cwd: str
+    pid: int | None  # None until the context's process is (re)started by its next run
+    running: bool  # a run is executing in it now
+    execution_count: int
+    created_at: float  # wall clock, seconds
+
+    @classmethod
+    def from_dict(cls, data: object) -> ContextInfo:
+        return _from_dict(cls, data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class RunCodeRequest:
+    """Run ``code`` in a context; ``env`` applies to this run only."""
+
+    code: str
+    context: str = DEFAULT_CONTEXT
+    language: str = "python"
+    timeout: float = 300.0
+    env: dict[str, str] = field(default_factory=dict)
+    stream: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.code, str):
+            raise ProtocolError("'code' must be a string")
+        validate_context_name(self.context)
+        if self.language not in INTERPRETER_LANGUAGES:
+            raise ProtocolError(
+                f"unsupported language {self.language!r}; one of {INTERPRETER_LANGUAGES}"
+            )
+        _check_timeout(self.timeout)
+        _check_env(self.env)
+        if not isinstance(self.stream, bool):
+            raise ProtocolError("'stream' must be a boolean")
+
+    @classmethod
+    def from_dict(cls, data: object) -> RunCodeRequest:
+        return _from_dict(cls, data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class ExecutionError:
+    name: str  # the exception's class name, e.g. "ZeroDivisionError"
+    value: str  # str(exception)
+    traceback: str  # formatted, as Python prints it
+
+    @classmethod
+    def from_dict(cls, data: object) -> ExecutionError:
+        return _from_dict(cls, data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Execution:
+    """The outcome of one run.
+
+    ``results`` are MIME bundles in display order: each maps MIME types
+    ("text/plain", "text/html", "image/png" (base64), "image/svg+xml",
+    "application/json" (the value itself), ...) to data, plus ``is_main_result``
+    (true for the value of the code's last expression).
+    """
+
+    stdout: str
+    stderr: str
+    results: list[dict[str, Any]]
+    error: ExecutionError | None
+    execution_count: int
+    duration_ms: float
+    truncated: bool = False  # stdout or stderr passed MAX_OUTPUT_BYTES
+
+    @classmethod
+    def from_dict(cls, data: object) -> Execution:
+        if not isinstance(data, dict):
+            raise ProtocolError("Execution must be a JSON object")
+        err = data.get("error")
+        data = {**data, "error": None if err is None else ExecutionError.from_dict(err)}
+        return _from_dict(cls, data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# -- commands -------------------------------------------------------------------------
+
+# Per process, this many bytes of output (stdout and stderr interleaved) are kept for reattach.
+OUTPUT_RING_BYTES = 4 * 1024 * 1024
+SIGNALS = ("SIGTERM", "SIGKILL", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2",
+           "SIGSTOP", "SIGCONT", "SIGWINCH")
+
+
+@dataclass(frozen=True)
+class CommandRequest:
+    """Start ``command`` under the shell. ``background``: answer at once with its
+    ProcessInfo; otherwise stream its output and kill it if the client leaves.
+    ``stdin``: keep a pipe open for ``POST /commands/{pid}/stdin`` (else /dev/null).
+    ``timeout``: SIGKILL the process group after this many seconds (None: never)."""
+
+    command: str
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    background: bool = True
+    stdin: bool = False
+    timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.command, str) or not self.command:
+            raise ProtocolError("'command' must be a non-empty string")
+        _check_env(self.env)
+        if self.cwd is not None:
+            validate_path(self.cwd)
+        if not isinstance(self.background, bool) or not isinstance(self.stdin, bool):
+            raise ProtocolError("'background' and 'stdin' must be booleans")
+        _check_timeout(self.timeout, optional=True)
+
+    @classmethod
+    def from_dict(cls, data: object) -> CommandRequest:
+        return _from_dict(cls, data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    pid: int
+    command: str
+    cwd: str
+    background: bool
+    stdin: bool  # its stdin pipe is still open for writing
+    running: bool
+    exit_code: int | None  # -N when killed by signal N
+    started_at: float  # wall clock, seconds
+    finished_at: float | None
+    timed_out: bool
+    output_bytes: int  # absolute offset of the end of its output so far
+
+    @classmethod
+    def from_dict(cls, data: object) -> ProcessInfo:
+        return _from_dict(cls, data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class SignalRequest:
+    """Send ``signal`` (a name from SIGNALS, or its number) to the process's group
+    (``group``, the default: the whole tree it started) or to the process alone."""
+
+    signal: str | int = "SIGTERM"
+    group: bool = True
+
+    def __post_init__(self) -> None:
+        sig = self.signal
+        if isinstance(sig, bool) or not isinstance(sig, (str, int)):
+            raise ProtocolError("'signal' must be a signal name or number")
+        if isinstance(sig, str) and sig.upper() not in SIGNALS:
+            raise ProtocolError(f"unsupported signal {sig!r}; one of {SIGNALS}")
+        if isinstance(sig, int) and not 1 <= sig <= 64:
+            raise ProtocolError("'signal' number must be 1-64")
+        if not isinstance(self.group, bool):
+            raise ProtocolError("'group' must be a boolean")
+
+    @classmethod
+    def from_dict(cls, data: object) -> SignalRequest:
+        return _from_dict(cls, data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
