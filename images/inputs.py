@@ -18,7 +18,10 @@ from images.templates import BASE_PACKAGES, TemplateSpec
 
 HERE = Path(__file__).resolve().parent
 GUEST_DIR = HERE.parent / "guest"
-BASE_FORMAT = 1  # bump to force a fresh debootstrap
+# Bump to force a fresh base (debootstrap + updates) after changing how
+# rootfs.base_tree works; the base does not hash rootfs.py itself, or every
+# edit there would cost a three-minute debootstrap.
+BASE_FORMAT = 2
 # The kernel command line. root= and rw are read by our initramfs (init.sh);
 # reboot=k + panic=1 make a crashed guest exit the VMM instead of hanging;
 # quiet keeps TCG boots fast (the serial console is slow).
@@ -46,7 +49,7 @@ class BuildInputs:
     @property
     def base_key(self) -> str:
         return digest("base", BASE_FORMAT, self.mirror.uri, self.mirror.components,
-                      BASE_PACKAGES)
+                      BASE_PACKAGES, render_deb822(list(self.sources)))
 
     @property
     def rootfs_key(self) -> str:

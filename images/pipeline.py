@@ -93,7 +93,8 @@ def _rootfs(ctx: BuildContext, inputs: BuildInputs, cache: Path, images_dir: Pat
             _link(directory / PACKAGES, out / PACKAGES)
         return {k: data[k] for k in ("rootfs_key", "disk_mib", "guest_files")}
     with ctx.stage("base (debootstrap)"):
-        base = rootfs.base_tree(ctx, cache, inputs.base_key, inputs.mirror)
+        base = rootfs.base_tree(ctx, cache, inputs.base_key, inputs.mirror,
+                                list(inputs.sources))
     tree = out / "tree"
     with ctx.stage("copy base"):
         rootfs.copy_tree(ctx, base, tree)

@@ -75,29 +75,29 @@ def run(cmd: Sequence[str | os.PathLike[str]], *, log: IO[str], cwd: Path | None
     log.flush()
     tail: collections.deque[str] = collections.deque(maxlen=40)
     lines: list[str] = []
-    proc = subprocess.Popen(
+    with subprocess.Popen(
         argv, cwd=cwd, env={**BUILD_ENV, **(env or {})},
         stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-    )
-    try:
-        if stdin is not None:
-            assert proc.stdin is not None
-            proc.stdin.write(stdin.decode())
-            proc.stdin.close()
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            log.write(line)
-            tail.append(line)
-            lines.append(line)
-            if echo:
-                echo("    " + line.rstrip())
-        rc = proc.wait()
-    except BaseException:
-        # Interrupted (Ctrl-C, an exception in the log writer): never leave the
-        # child running behind us.
-        _stop(proc)
-        raise
+    ) as proc:  # the context closes the pipes (no ResourceWarning) and reaps the child
+        try:
+            if stdin is not None:
+                assert proc.stdin is not None
+                proc.stdin.write(stdin.decode())
+                proc.stdin.close()
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                log.write(line)
+                tail.append(line)
+                lines.append(line)
+                if echo:
+                    echo("    " + line.rstrip())
+            rc = proc.wait()
+        except BaseException:
+            # Interrupted (Ctrl-C, an exception in the log writer): never leave the
+            # child running behind us.
+            _stop(proc)
+            raise
     log.flush()
     if rc != 0:
         raise BuildError(f"{argv[0]} exited with {rc}: {' '.join(argv)}\n" + "".join(tail))

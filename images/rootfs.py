@@ -41,8 +41,14 @@ path-include=/usr/share/locale/locale.alias
 HOSTS = "127.0.0.1\tlocalhost\n127.0.1.1\tagentbox\n::1\tlocalhost ip6-localhost ip6-loopback\n"
 
 
-def base_tree(ctx: BuildContext, cache: Path, key: str, mirror: AptSource) -> Path:
-    """debootstrap the shared base (cached under ``cache/base/<key>``)."""
+def base_tree(ctx: BuildContext, cache: Path, key: str, mirror: AptSource,
+              sources: list[AptSource]) -> Path:
+    """debootstrap the shared base (cached under ``cache/base/<key>``).
+
+    The base already has the host's sources, fresh package lists and all
+    updates applied, so a template's own apt run only fetches what changed
+    since (usually nothing) plus its packages.
+    """
     dest = cache / "base" / key
     if (dest / "etc" / "debian_version").exists():
         return dest
@@ -55,6 +61,7 @@ def base_tree(ctx: BuildContext, cache: Path, key: str, mirror: AptSource) -> Pa
         if mirror.signed_by.startswith("/") and Path(mirror.signed_by).is_file():
             cmd.append(f"--keyring={mirror.signed_by}")
         ctx.run([*cmd, SUITE, work / "tree", mirror.uri])
+        install_packages(ctx, work / "tree", sources, ())
         (work / "tree").rename(dest)
     finally:
         remove_tree(work)
@@ -84,6 +91,7 @@ def install_packages(ctx: BuildContext, tree: Path, sources: list[AptSource],
             chroot(ctx, tree, *apt, "install", *packages)
         chroot(ctx, tree, "apt-get", "clean")
         _add_user(ctx, tree)
+    (tree / "usr/sbin/policy-rc.d").unlink(missing_ok=True)
 
 
 def _configure_apt(tree: Path, sources: list[AptSource]) -> None:
@@ -149,7 +157,7 @@ def finish_tree(tree: Path) -> None:
     (tree / "etc/resolv.conf").unlink(missing_ok=True)
     (tree / "etc/resolv.conf").write_text("# agentbox-init writes this from agentbox.dns=\n")
     (tree / "etc/fstab").write_text("# root is mounted by the initramfs; see agentbox-init\n")
-    (tree / "usr/sbin/policy-rc.d").unlink(missing_ok=True)
+    _prune_docs(tree)
     for pattern in ("var/lib/apt/lists/*", "var/cache/apt/*.bin", "var/cache/debconf/*-old",
                     "var/log/apt/*", "var/log/*.log", "tmp/*", "var/tmp/*", "root/.cache"):
         for path in tree.glob(pattern):
@@ -157,6 +165,15 @@ def finish_tree(tree: Path) -> None:
                 remove_tree(path)
             else:
                 path.unlink(missing_ok=True)
+
+
+def _prune_docs(tree: Path) -> None:
+    """What debootstrap installed before the nodoc rule existed (copyrights stay)."""
+    for sub in ("usr/share/man", "usr/share/info", "usr/share/doc", "usr/share/locale"):
+        for path in (tree / sub).rglob("*"):
+            keep = path.name in ("copyright", "locale.alias")
+            if not keep and (path.is_file() or path.is_symlink()):
+                path.unlink()
 
 
 def make_ext4(ctx: BuildContext, tree: Path, image: Path, headroom_mib: int) -> int:

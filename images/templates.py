@@ -54,8 +54,10 @@ SPECS: dict[str, TemplateSpec] = {spec.name: spec for spec in (
     ),
     TemplateSpec(
         name="python-datascience",
+        # python3-munkres satisfies fonttools' "scipy | munkres": without it apt
+        # picks scipy, whose pythran dependency drags in g++ and boost (+700 MB).
         packages=("python3-pip", "python3-venv", "python3-numpy", "python3-pandas",
-                  "python3-matplotlib"),
+                  "python3-matplotlib", "python3-munkres"),
         mem_mib=1024,
         warmup=(
             "import matplotlib\nmatplotlib.use('Agg')\n"

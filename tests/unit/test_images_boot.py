@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from images import hostclock, proc
 from images.initramfs import Entry, newc
 from images.kmod import ModuleError, ModuleTree, load_order, modinfo
 
@@ -109,3 +110,47 @@ def test_newc_is_readable_by_cpio() -> None:
                              capture_output=True, check=True).stdout.decode().splitlines()
     assert listing[0].startswith("-rwxr-xr-x") and listing[0].endswith(" init")
     assert listing[1].startswith("crw-------") and listing[1].split()[4:6] == ["5,", "1"]
+
+
+CPUINFO_VM = "processor\t: 0\ncpu MHz\t\t: 2100.000\nflags\t\t: fpu tsc tsc_known_freq\n"
+CPUINFO_METAL = "processor\t: 0\ncpu MHz\t\t: 800.123\nflags\t\t: fpu tsc constant_tsc\n"
+
+
+def test_cpuinfo_tsc_only_when_the_kernel_knows_it() -> None:
+    assert hostclock.cpuinfo_tsc_khz(CPUINFO_VM) == 2_100_000
+    # Without tsc_known_freq, "cpu MHz" is the current (scaled) core clock: useless.
+    assert hostclock.cpuinfo_tsc_khz(CPUINFO_METAL) is None
+
+
+def test_measured_tsc_is_plausible() -> None:
+    khz = hostclock.measure_tsc_khz(samples=3, interval=0.01)
+    if khz is None:
+        pytest.skip("rdtsc not available here")
+    assert 500_000 < khz < 10_000_000
+
+
+def test_clock_args_name_the_frequency() -> None:
+    args = hostclock.clock_args()
+    assert args == "" or args.startswith("tsc=reliable tsc_early_khz=")
+
+
+def test_run_logs_output_and_quotes_it_on_failure(tmp_path: Path) -> None:
+    log_path = tmp_path / "build.log"
+    with open(log_path, "w") as log:
+        assert proc.run(["sh", "-c", "echo hello"], log=log) == "hello\n"
+        with pytest.raises(proc.BuildError, match="(?s)exited with 3.*boom"):
+            proc.run(["sh", "-c", "echo boom >&2; exit 3"], log=log)
+    assert "hello" in log_path.read_text() and "$ sh -c" in log_path.read_text()
+
+
+def test_stage_records_timings_and_reports_failure(tmp_path: Path) -> None:
+    seen: list[str] = []
+    with open(tmp_path / "log", "w") as log:
+        ctx = proc.BuildContext(seen.append, log, label="t")
+        with ctx.stage("one"):
+            pass
+        with pytest.raises(RuntimeError), ctx.stage("two"):
+            raise RuntimeError("x")
+    assert set(ctx.timings) == {"one"}
+    assert seen[0] == "[t] one ..." and seen[1].startswith("[t] one done in")
+    assert seen[-1].startswith("[t] two FAILED")
