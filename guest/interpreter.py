@@ -204,7 +204,7 @@ class Context:
         err_r, err_w = os.pipe()
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                self.python, "-u", WORKER, str(cmd_r), str(evt_w),
+                self.python, WORKER, str(cmd_r), str(evt_w),
                 stdin=asyncio.subprocess.DEVNULL, stdout=out_w, stderr=err_w,
                 pass_fds=(cmd_r, evt_w), cwd=self.cwd, env=self.env, start_new_session=True)
         except BaseException as exc:

@@ -1,6 +1,6 @@
 """One interpreter context's worker process: holds the user's globals between runs.
 
-Started by ``guest/interpreter.py`` as ``python3 -u kernel_worker.py CMD_FD EVT_FD``.
+Started by ``guest/interpreter.py`` as ``python3 kernel_worker.py CMD_FD EVT_FD``.
 Stdlib only, and it imports nothing from the agent: it runs user code, so it
 stays small and leaves ``sys.path``, ``sys.argv`` and ``__main__`` looking like
 an interactive interpreter's.
@@ -302,6 +302,10 @@ def _prepare_process() -> None:
     if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(_HERE):
         sys.path[0] = ""  # user imports resolve against the cwd, not the agent's directory
     sys.argv = [""]
+    # Line-buffered: a print() reaches the pipe as one write, at its newline (a partial
+    # line goes at the next event, flush() or the end of the run).
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True)
     # Agg cannot show windows; plt.show() is patched to send figures instead.
     warnings.filterwarnings("ignore", message=".*(non-interactive|non-GUI backend).*")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
