@@ -9,18 +9,27 @@ the host to ``.2`` is DNAT'ed to the guest. Egress is denied by default: the
 namespace forwards only host->guest connections (and their replies), and the
 guest cannot open connections to the namespace, the host or other guests.
 
-All netlink work goes through pyroute2 in a worker thread (it is blocking).
+All netlink work goes through pyroute2 in worker threads (it is blocking). Inside
+a namespace we use a short-lived thread that ``setns()``es itself into it rather
+than pyroute2's ``NetNS``/``netns.create``, which fork the daemon: forking a
+process that runs an event loop, child watchers and other threads is how you
+get a parent killed by a signal meant for a child.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import ipaddress
 import logging
+import os
 import subprocess
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from pyroute2 import IPRoute, NetNS, netns
+from pyroute2 import IPRoute, netns
 from pyroute2.netlink.exceptions import NetlinkError
 
 from guest.protocol import GUEST_ADDR, PREFIX_LEN, TAP_ADDR, TAP_MAC, TAP_NAME
@@ -30,6 +39,9 @@ log = logging.getLogger(__name__)
 
 NETNS_PREFIX = "agentbox-"
 NS_IF = "veth0"
+NETNS_DIR = "/var/run/netns"
+_CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 @dataclass(frozen=True)
@@ -97,31 +109,64 @@ table ip agentbox {{
 """
 
 
+def _in_netns(name: str, fn: Callable[[IPRoute], Any]) -> Any:
+    """Run ``fn(IPRoute)`` in namespace ``name`` on a throwaway thread (setns is per-thread,
+    and a thread that never leaves the namespace can never leak it into other work)."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            fd = os.open(f"{NETNS_DIR}/{name}", os.O_RDONLY)
+            try:
+                if _libc.setns(fd, _CLONE_NEWNET) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"setns({name}): {os.strerror(err)}")
+            finally:
+                os.close(fd)
+            with IPRoute() as ipr:
+                outcome["value"] = fn(ipr)
+        except BaseException as exc:  # handed to the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"netns-{name}")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
+def _configure_inside(ns: IPRoute, slot: NetSlot) -> None:
+    ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+    veth = ns.link_lookup(ifname=NS_IF)[0]
+    ns.addr("add", index=veth, address=slot.guest_addr, prefixlen=30)
+    ns.link("set", index=veth, state="up")
+    ns.link("add", ifname=TAP_NAME, kind="tuntap", mode="tap")
+    tap = ns.link_lookup(ifname=TAP_NAME)[0]
+    ns.link("set", index=tap, address=TAP_MAC)
+    ns.addr("add", index=tap, address=TAP_ADDR, prefixlen=PREFIX_LEN)
+    ns.link("set", index=tap, state="up")
+    ns.route("add", dst="0.0.0.0/0", gateway=slot.host_addr)
+
+
+def _run(argv: list[str], stdin: bytes = b"") -> None:
+    proc = subprocess.run(argv, input=stdin, capture_output=True, timeout=30, check=False)
+    if proc.returncode != 0:
+        raise NetworkError(f"{' '.join(argv[:5])}: {proc.stderr.decode().strip()}")
+
+
 def _setup(slot: NetSlot, allow_egress: bool) -> None:
-    netns.create(slot.netns)
+    _run(["ip", "netns", "add", slot.netns])
     with IPRoute() as host:
         host.link("add", ifname=slot.host_if, kind="veth",
                   peer={"ifname": NS_IF, "net_ns_fd": slot.netns})
         idx = host.link_lookup(ifname=slot.host_if)[0]
         host.addr("add", index=idx, address=slot.host_addr, prefixlen=30)
         host.link("set", index=idx, state="up")
-    with NetNS(slot.netns) as ns:
-        ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
-        veth = ns.link_lookup(ifname=NS_IF)[0]
-        ns.addr("add", index=veth, address=slot.guest_addr, prefixlen=30)
-        ns.link("set", index=veth, state="up")
-        ns.link("add", ifname=TAP_NAME, kind="tuntap", mode="tap")
-        tap = ns.link_lookup(ifname=TAP_NAME)[0]
-        ns.link("set", index=tap, address=TAP_MAC)
-        ns.addr("add", index=tap, address=TAP_ADDR, prefixlen=PREFIX_LEN)
-        ns.link("set", index=tap, state="up")
-        ns.route("add", dst="0.0.0.0/0", gateway=slot.host_addr)
+    _in_netns(slot.netns, lambda ns: _configure_inside(ns, slot))
     script = "echo 1 > /proc/sys/net/ipv4/ip_forward && nft -f -"
-    proc = subprocess.run(["ip", "netns", "exec", slot.netns, "sh", "-c", script],
-                          input=nft_ruleset(slot, allow_egress).encode(), capture_output=True,
-                          timeout=30)
-    if proc.returncode != 0:
-        raise NetworkError(f"nftables in {slot.netns}: {proc.stderr.decode().strip()}")
+    _run(["ip", "netns", "exec", slot.netns, "sh", "-c", script],
+         nft_ruleset(slot, allow_egress).encode())
 
 
 def _teardown(slot: NetSlot) -> None:
