@@ -81,6 +81,15 @@ def log(msg: str) -> None:
         pass
 
 
+def uptime() -> str:
+    """Seconds since the kernel started, for boot-time diagnosis on the console."""
+    try:
+        with open("/proc/uptime") as f:
+            return f"{float(f.read().split()[0]):.2f}s"
+    except (OSError, ValueError, IndexError):
+        return "?"
+
+
 def _protocol_defaults() -> tuple[str, int, str]:
     try:
         sys.path.insert(0, AGENT_DIR)
@@ -201,7 +210,7 @@ def setup_network(cfg: Config) -> None:
     if proc.returncode != 0:
         log(f"ip failed: {proc.stderr.decode(errors='replace').strip()}")
     else:
-        log(f"network: {cfg.iface} {cfg.address} via {cfg.gateway}")
+        log(f"network: {cfg.iface} {cfg.address} via {cfg.gateway} (uptime {uptime()})")
 
 
 class Supervisor:
@@ -373,7 +382,7 @@ def _step(sup: Supervisor, cfg: Config, rfd: int) -> None:
     if sup.due(time.monotonic()):
         pid = spawn_agent(cfg.debug)
         sup.started(pid, time.monotonic())
-        log(f"{MARKER.removeprefix('agentbox-init: ')} (pid {pid})")
+        log(f"{MARKER.removeprefix('agentbox-init: ')} (pid {pid}, uptime {uptime()})")
 
 
 def _open_console() -> None:
@@ -390,7 +399,7 @@ def main() -> None:
     os.umask(0o022)
     mount_all()
     _open_console()
-    log("starting")
+    log(f"starting (uptime {uptime()})")
     try:
         with open("/proc/cmdline") as f:
             cmdline = f.read()

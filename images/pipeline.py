@@ -27,6 +27,9 @@ KERNEL, INITRD, ROOTFS, PACKAGES, LOG = (
 
 def run_build(inputs: BuildInputs, images_dir: Path, final: Path, progress: Progress,
               *, verbose: bool = False) -> None:
+    if os.geteuid() != 0:
+        raise BuildError("building images needs root (debootstrap and chroot); "
+                         "built templates can be loaded by anyone")
     parent = final.parent
     parent.mkdir(parents=True, exist_ok=True)
     for stale in parent.glob(".tmp-*"):  # left by an interrupted build (we hold the lock)
@@ -54,7 +57,7 @@ def run_build(inputs: BuildInputs, images_dir: Path, final: Path, progress: Prog
 
 def _build_into(ctx: BuildContext, inputs: BuildInputs, cache: Path, images_dir: Path,
                 out: Path) -> dict[str, Any]:
-    with ctx.stage("kernel"):
+    with ctx.stage("kernel", f"{inputs.kernel.name} {inputs.kernel.version}"):
         kernel = fetch_kernel(ctx, cache, inputs.kernel)
         _link(kernel.vmlinuz, out / KERNEL)
     with ctx.stage("initramfs"):

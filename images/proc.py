@@ -44,10 +44,10 @@ class BuildContext:
     timings: dict[str, float] = field(default_factory=dict)
 
     @contextmanager
-    def stage(self, name: str) -> Iterator[None]:
+    def stage(self, name: str, detail: str = "") -> Iterator[None]:
         """Report ``name`` when it starts and, with its elapsed time, when it ends."""
         prefix = f"[{self.label}] " if self.label else ""
-        self.progress(f"{prefix}{name} ...")
+        self.progress(f"{prefix}{name}{': ' + detail if detail else ''} ...")
         self.log.write(f"\n=== {name}\n")
         start = time.monotonic()
         try:
