@@ -12,12 +12,12 @@ report their own duration. Exit status is non-zero if any build failed.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 from images.catalog import DEFAULT_IMAGES_DIR, build_template, load_template
-from images.proc import BuildError
 from images.templates import TEMPLATES
 
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         try:
             image = build_template(name, args.images_dir, progress, verbose=args.verbose)
-        except (BuildError, OSError, ValueError) as exc:
+        except (RuntimeError, OSError, ValueError, subprocess.SubprocessError) as exc:
             progress(f"[{name}] build failed: {exc}")
             failed.append(name)
             continue

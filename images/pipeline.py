@@ -32,7 +32,9 @@ def run_build(inputs: BuildInputs, images_dir: Path, final: Path, progress: Prog
                          "built templates can be loaded by anyone")
     parent = final.parent
     parent.mkdir(parents=True, exist_ok=True)
-    for stale in parent.glob(".tmp-*"):  # left by an interrupted build (we hold the lock)
+    cache = images_dir / ".cache"
+    # Left by an interrupted build; safe to remove because we hold the build lock.
+    for stale in [*parent.glob(".tmp-*"), *cache.glob("base/.*"), *cache.glob("unpacked/.*")]:
         rootfs.remove_tree(stale)
     tmp = parent / f".tmp-{inputs.template_hash}-{os.getpid()}"
     tmp.mkdir()
@@ -40,7 +42,7 @@ def run_build(inputs: BuildInputs, images_dir: Path, final: Path, progress: Prog
     try:
         with open(tmp / LOG, "w") as log:
             ctx = BuildContext(progress, log, label=inputs.spec.name, verbose=verbose)
-            facts = _build_into(ctx, inputs, images_dir / ".cache", images_dir, tmp)
+            facts = _build_into(ctx, inputs, cache, images_dir, tmp)
             facts["build_seconds"] = round(time.monotonic() - started, 1)
             facts["timings"] = ctx.timings
             write_manifest(tmp, facts)
