@@ -139,7 +139,13 @@ def test_second_key_cannot_see_or_touch_first_keys_sandbox(api, daemon, sandbox)
                                   "json_too_large", "bad_exec"])
 def test_bad_input_gets_clear_json_errors(case, api, daemon, sandbox):
     sid = sandbox["id"]
-    raw = daemon.client("")
+    with daemon.client("") as raw, daemon.client("ab_wrong") as wrong:
+        _check_bad_input(case, api, raw, wrong, sid)
+    # Nothing crashed: the daemon and the sandbox still answer.
+    assert run(api, sid, command="echo alive")["stdout"] == "alive\n"
+
+
+def _check_bad_input(case, api, raw, wrong, sid):
     expect = {
         "bad_json": (lambda: api.post("/v1/sandboxes", content=b"{nope"), 400, "bad_json"),
         "unknown_template": (lambda: api.post("/v1/sandboxes", json={"template": "cobol"}),
@@ -148,7 +154,7 @@ def test_bad_input_gets_clear_json_errors(case, api, daemon, sandbox):
                             "sandbox_not_found"),
         "no_key": (lambda: raw.get("/v1/sandboxes", headers={"Authorization": ""}), 401,
                    "missing_api_key"),
-        "bad_key": (lambda: daemon.client("ab_wrong").get("/v1/sandboxes"), 401,
+        "bad_key": (lambda: wrong.get("/v1/sandboxes"), 401,
                     "invalid_api_key"),
         "relative_path": (lambda: api.post(f"/v1/sandboxes/{sid}/files",
                                            params={"path": "etc/x"}, content=b"x"),
@@ -170,8 +176,6 @@ def test_bad_input_gets_clear_json_errors(case, api, daemon, sandbox):
     assert resp.status_code == status, resp.text
     assert resp.json()["error"]["code"] == code
     assert resp.json()["error"]["message"]
-    # Nothing crashed: the daemon and the sandbox still answer.
-    assert run(api, sid, command="echo alive")["stdout"] == "alive\n"
 
 
 def test_chunked_upload_over_limit_is_refused(api, sandbox):
