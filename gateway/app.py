@@ -15,7 +15,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from gateway import api
+from gateway import api, api_interp
 from gateway.config import Config
 from gateway.middleware import (
     REGISTRY_KEY,
@@ -77,6 +77,7 @@ def build_app(config: Config) -> web.Application:
     app[CONFIG_KEY] = config
     app[api.MAX_UPLOAD_KEY] = config.server.max_upload_bytes
     app.add_routes(api.routes)
+    app.add_routes(api_interp.routes)
     app.cleanup_ctx.append(_lifecycle)
     return app
 
