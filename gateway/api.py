@@ -12,7 +12,7 @@ from aiohttp import web
 from gateway.errors import BadRequest, Forbidden, NotFound, PayloadTooLarge
 from gateway.middleware import REGISTRY_KEY, current_key
 from gateway.registry import SandboxRecord
-from gateway.sandboxes import SandboxService, validate_create
+from gateway.sandboxes import SandboxService, validate_create, validate_update
 from guest.protocol import ExecRequest, validate_path
 
 SERVICE_KEY = web.AppKey("service", SandboxService)
@@ -90,6 +90,26 @@ async def get_sandbox(request: web.Request) -> web.Response:
 async def delete_sandbox(request: web.Request) -> web.Response:
     await _service(request).destroy(current_key(request).id, request.match_info["id"])
     return web.Response(status=204)
+
+
+@routes.patch("/v1/sandboxes/{id}")
+async def update_sandbox(request: web.Request) -> web.Response:
+    idle, metadata = validate_update(await read_json(request))
+    rec = _service(request).update(current_key(request).id, request.match_info["id"], idle,
+                                   metadata)
+    return json_response(sandbox_view(rec))
+
+
+@routes.post("/v1/sandboxes/{id}/suspend")
+async def suspend_sandbox(request: web.Request) -> web.Response:
+    rec = await _service(request).suspend(current_key(request).id, request.match_info["id"])
+    return json_response(sandbox_view(rec))
+
+
+@routes.post("/v1/sandboxes/{id}/resume")
+async def resume_sandbox(request: web.Request) -> web.Response:
+    rec = await _service(request).resume(current_key(request).id, request.match_info["id"])
+    return json_response(sandbox_view(rec))
 
 
 @routes.post("/v1/sandboxes/{id}/execute")

@@ -24,7 +24,8 @@ from gateway.middleware import (
     error_middleware,
 )
 from gateway.registry import Registry
-from gateway.sandboxes import SandboxService
+from gateway.reconcile import reconcile
+from gateway.sandboxes import SandboxService, current_wake
 from vmctl import backend as vm_backend
 from vmctl.golden import Golden, ensure_golden
 
@@ -79,7 +80,18 @@ def build_app(config: Config) -> web.Application:
     app.add_routes(api.routes)
     app.add_routes(api_interp.routes)
     app.cleanup_ctx.append(_lifecycle)
+    app.on_response_prepare.append(_wake_header)
     return app
+
+
+WAKE_HEADER = "X-AgentBox-Wake-Ms"
+
+
+async def _wake_header(request: web.Request, response: web.StreamResponse) -> None:
+    """Responses that had to wake their sandbox say so, and how long the wake took."""
+    wake = current_wake.get()
+    if wake is not None and wake.woke:
+        response.headers[WAKE_HEADER] = f"{wake.wake_ms:.1f}"
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -95,7 +107,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         raise RuntimeError(f"no template is built in {config.server.images_dir}: run `make images`")
     service = SandboxService(config, registry, backend, goldens)
     app[api.SERVICE_KEY] = service
-    await service.reconcile()
+    await reconcile(service)
+    service.start()
     log.info("agentbox ready on http://%s (vmm %s/%s; templates: %s)", config.server.listen,
              backend.driver_name, backend.accel.value, ", ".join(sorted(goldens)) or "none")
     try:

@@ -1,58 +1,57 @@
 """Sandbox service: tenant-scoped operations on sandboxes.
 
-Policy lives here and in ``gateway.lifecycle``; mechanism in ``vmctl.Machine``;
-transport in ``gateway.api``. Each sandbox has a ``Runtime`` (its Machine plus a
-lock that serialises lifecycle operations). Every state change goes through
-``Registry.transition`` first, then the I/O happens.
+Policy lives here, in ``gateway.controller`` (one per sandbox: wake on request,
+suspend when idle) and in ``gateway.lifecycle`` (the transition table);
+mechanism in ``vmctl.Machine``; transport in ``gateway.api``.
 
 VMM processes are deliberately *not* stopped when the daemon stops: they are
-re-adopted on the next start (``reconcile``), so upgrading or restarting the
-daemon never loses a sandbox.
+re-adopted on the next start (``gateway.reconcile``), so restarting or
+upgrading the daemon never loses a sandbox.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
 from gateway.config import Config
+from gateway.controller import HoldCounter, SandboxController, Wake, WakePolicy
 from gateway.errors import BadRequest, Conflict, SandboxNotFound, TemplateNotFound, Unavailable
 from gateway.lifecycle import Event, State
 from gateway.registry import Registry, SandboxRecord
 from vmctl import network
 from vmctl.backend import Backend
-from vmctl.golden import BUILD_SLOTS, Golden
+from vmctl.golden import BUILD_SLOTS, Golden, load_golden_dir
 from vmctl.machine import Machine, MachinePlan
-from vmctl.spec import VMMRecord
 
 log = logging.getLogger(__name__)
 
 MAX_METADATA_BYTES = 16 * 1024
-
-
-@dataclass
-class Runtime:
-    machine: Machine
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    inflight: int = 0
+IDLE_SCAN_S = 1.0
+# Set while a request runs: how long it waited for its sandbox to wake (for a response header).
+current_wake: contextvars.ContextVar[Wake | None] = contextvars.ContextVar("wake", default=None)
 
 
 class SandboxService:
     def __init__(self, config: Config, registry: Registry, backend: Backend,
-                 goldens: dict[str, Golden]) -> None:
+                 goldens: dict[str, Golden], policy: WakePolicy | None = None) -> None:
         self.config = config
         self.registry = registry
         self.backend = backend
         self.goldens = goldens
-        self._runtimes: dict[str, Runtime] = {}
-        self._create_lock = asyncio.Lock()
+        self.policy = policy or WakePolicy()
+        self.holds = HoldCounter()
+        self._controllers: dict[str, SandboxController] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._golden_cache: dict[str, Golden] = {str(g.dir): g for g in goldens.values()}
+        self._idle_task: asyncio.Task | None = None
 
     @property
     def sandboxes_dir(self) -> Path:
@@ -69,7 +68,7 @@ class SandboxService:
     def list(self, tenant: str) -> list[SandboxRecord]:
         return self.registry.list(tenant)
 
-    # -- create / destroy ------------------------------------------------------------
+    # -- create / destroy / update ---------------------------------------------------
 
     async def create(self, tenant: str, template: str | None, metadata: dict[str, Any],
                      idle_timeout: float | None) -> SandboxRecord:
@@ -79,19 +78,29 @@ class SandboxService:
             raise TemplateNotFound(f"template {template!r} not found; available: "
                                    f"{', '.join(sorted(self.goldens)) or 'none'}")
         rec = self._reserve(tenant, template, golden, metadata, idle_timeout)
-        machine = Machine(self._plan(rec, golden), self.backend)
-        runtime = Runtime(machine)
-        self._runtimes[rec.id] = runtime
-        async with runtime.lock:
-            try:
-                await machine.create()
-            except BaseException as exc:
-                await asyncio.shield(self._fail_create(rec.id, machine, exc))
-                raise
-            vmm = machine.vmm_record()
-            return self.registry.transition(rec.id, Event.CREATED, "restored from golden",
-                                            vmm=vmm.__dict__ if vmm else None,
-                                            last_activity=time.time())
+        ctl = self._controller(rec)
+        # The creation runs detached: a client that disconnects does not leave a half-made VM.
+        ctl._op = self.spawn(self._create(ctl), f"create-{rec.id}")
+        await asyncio.shield(ctl._op)
+        return ctl.rec
+
+    async def _create(self, ctl: SandboxController) -> None:
+        machine = ctl.machine
+        try:
+            await machine.create()  # type: ignore[attr-defined]
+        except BaseException as exc:
+            ctl.rec = self.registry.transition(ctl.id, Event.CREATE_FAILED,
+                                               f"create failed: {exc!r}",
+                                               failure=str(exc) or type(exc).__name__)
+            with contextlib.suppress(Exception):
+                await asyncio.shield(machine.destroy())
+            raise
+        finally:
+            ctl._op = None
+        vmm = machine.vmm_record()
+        ctl.rec = self.registry.transition(ctl.id, Event.CREATED, "restored from golden snapshot",
+                                           vmm=vmm.__dict__ if vmm else None)
+        ctl.touch()
 
     def _reserve(self, tenant: str, template: str, golden: Golden, metadata: dict[str, Any],
                  idle_timeout: float | None) -> SandboxRecord:
@@ -116,127 +125,184 @@ class SandboxService:
         self.registry.insert_sandbox(rec)
         return rec
 
-    async def _fail_create(self, sandbox_id: str, machine: Machine, exc: BaseException) -> None:
-        self.registry.transition(sandbox_id, Event.CREATE_FAILED, f"create failed: {exc!r}",
-                                 failure=str(exc) or type(exc).__name__)
-        self._runtimes.pop(sandbox_id, None)
-        try:
-            await machine.destroy()
-        except Exception:
-            log.exception("cleanup after failed create of %s", sandbox_id)
-
     async def destroy(self, tenant: str, sandbox_id: str) -> None:
+        ctl = self._controller(self.get(tenant, sandbox_id))
+        await ctl.destroy("deleted by API")
+        self._controllers.pop(sandbox_id, None)
+
+    def update(self, tenant: str, sandbox_id: str, idle_timeout: float | None,
+               metadata: dict[str, Any] | None) -> SandboxRecord:
         rec = self.get(tenant, sandbox_id)
-        runtime = self._runtime(rec)
-        async with runtime.lock:
-            self.registry.transition(rec.id, Event.DESTROY, "deleted by API", vmm=None)
-            self._runtimes.pop(rec.id, None)
-            await runtime.machine.destroy()
+        changes: dict[str, Any] = {}
+        if idle_timeout is not None:
+            changes["idle_timeout"] = idle_timeout
+        if metadata is not None:
+            changes["metadata"] = metadata
+        if changes:
+            self.registry.update(rec.id, **changes)
+        ctl = self._controller(self.registry.get(rec.id) or rec)
+        ctl.rec = self.registry.get(rec.id) or rec
+        return ctl.rec
 
     # -- using a sandbox ---------------------------------------------------------------
 
     @contextlib.asynccontextmanager
     async def use(self, tenant: str, sandbox_id: str) -> AsyncIterator[Machine]:
-        """Hold a running sandbox for one request (counted as activity from its start)."""
-        rec = self.get(tenant, sandbox_id)
-        runtime = self._runtime(rec)
-        runtime.inflight += 1
-        try:
-            if rec.state is not State.RUNNING:
-                raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}", code="not_running")
-            yield runtime.machine
-        finally:
-            runtime.inflight -= 1
-            self.registry.update(rec.id, last_activity=time.time())
+        """Hold a running sandbox for one request, waking it first if it sleeps."""
+        ctl = self._controller(self.get(tenant, sandbox_id))
+        async with ctl.request() as wake:
+            current_wake.set(wake)
+            yield ctl.machine  # type: ignore[misc]
 
-    # -- start-up and shut-down ----------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def use_stream(self, tenant: str, sandbox_id: str) -> AsyncIterator[Machine]:
+        """Like ``use`` for long-lived connections (WebSockets, terminals): not paced."""
+        ctl = self._controller(self.get(tenant, sandbox_id))
+        async with ctl.stream() as wake:
+            current_wake.set(wake)
+            yield ctl.machine  # type: ignore[misc]
 
-    async def reconcile(self) -> None:
-        """Bring the registry and reality into agreement after a (re)start."""
-        known = set()
-        for rec in self.registry.list():
-            known.add(network.NETNS_PREFIX + rec.id)
-            try:
-                await self._reconcile_one(rec)
-            except Exception:
-                log.exception("reconciling sandbox %s", rec.id)
-        for ns in network.list_namespaces():
-            if ns not in known and not ns.startswith(network.NETNS_PREFIX + "golden-"):
-                log.warning("removing orphaned namespace %s", ns)
-                with contextlib.suppress(Exception):
-                    await asyncio.to_thread(network.netns.remove, ns)
+    async def suspend(self, tenant: str, sandbox_id: str) -> SandboxRecord:
+        ctl = self._controller(self.get(tenant, sandbox_id))
+        if ctl.state is State.SUSPENDED:
+            return ctl.rec
+        await ctl.wait_op()
+        op = ctl.start_suspend("requested by API")
+        await asyncio.shield(op)
+        if ctl.state is not State.SUSPENDED:
+            raise Conflict(f"suspend of {sandbox_id} was cancelled by a request",
+                           code="suspend_cancelled")
+        return ctl.rec
 
-    async def _reconcile_one(self, rec: SandboxRecord) -> None:
-        golden = self._golden_for(rec)
-        machine = Machine(self._plan(rec, golden), self.backend) if golden else None
-        record = VMMRecord(**rec.vmm) if rec.vmm else None
-        if rec.state is State.RUNNING and machine and record:
-            try:
-                await machine.adopt(record)
-                await machine.require_agent().health(timeout=10)
-                self._runtimes[rec.id] = Runtime(machine)
-                log.info("re-adopted sandbox %s (pid %d)", rec.id, record.pid)
+    async def resume(self, tenant: str, sandbox_id: str) -> SandboxRecord:
+        async with self.use(tenant, sandbox_id):
+            pass
+        return self.get(tenant, sandbox_id)
+
+    # -- idle suspend --------------------------------------------------------------------
+
+    async def _idle_loop(self) -> None:
+        while True:
+            await asyncio.sleep(IDLE_SCAN_S)
+            for ctl in list(self._controllers.values()):
+                try:
+                    await self._maybe_suspend(ctl)
+                except Exception:
+                    log.exception("idle check of %s", ctl.id)
+
+    async def _maybe_suspend(self, ctl: SandboxController) -> None:
+        timeout = ctl.rec.idle_timeout
+        if ctl.state is not State.RUNNING or timeout <= 0 or ctl.idle_for() < timeout:
+            return
+        agent = getattr(ctl.machine, "agent", None)
+        if agent is not None:
+            health = await agent.health(timeout=5)
+            if health.running or health.veto:
+                ctl.touch()  # busy inside the guest: check again after another idle period
                 return
-            except Exception as exc:
-                log.warning("sandbox %s: VMM not adoptable: %s", rec.id, exc)
-                self.registry.transition(rec.id, Event.CRASHED, f"not adoptable: {exc}",
-                                         failure=str(exc))
-        elif rec.state is State.CREATING:
-            self.registry.transition(rec.id, Event.CREATE_FAILED, "daemon stopped mid-create",
-                                     failure="interrupted create")
-        if machine and record:
-            await machine.kill_recorded(record)
-            self.registry.update(rec.id, vmm=None)
-        if machine:
-            self._runtimes[rec.id] = Runtime(machine)
+        if ctl.state is State.RUNNING and ctl.idle_for() >= timeout:
+            ctl.start_suspend(f"idle for {timeout:g}s")
 
-    async def aclose(self) -> None:
-        """Release host-side resources; VMMs keep running for the next daemon."""
-        for runtime in list(self._runtimes.values()):
-            agent, runtime.machine.agent = runtime.machine.agent, None
+    # -- tasks and lifecycle -------------------------------------------------------------
+
+    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task:
+        """Start a task owned by this service (cancelled on close; errors logged)."""
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("task %s failed: %s", task.get_name(), task.exception())
+
+    def start(self) -> None:
+        self._idle_task = self.spawn(self._idle_loop(), "idle-loop")
+
+    async def aclose(self, timeout: float = 15.0) -> None:
+        """Stop background work; VMMs keep running for the next daemon to adopt."""
+        if self._idle_task is not None:
+            self._idle_task.cancel()
+        ops = [t for t in self._tasks if t is not self._idle_task]
+        if ops:
+            _, pending = await asyncio.wait(ops, timeout=timeout)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        for ctl in self._controllers.values():
+            agent, ctl.machine.agent = ctl.machine.agent, None  # type: ignore[attr-defined]
             if agent is not None:
                 await agent.aclose()
-        self._runtimes.clear()
+        self._controllers.clear()
 
     # -- helpers -----------------------------------------------------------------------
 
-    def _runtime(self, rec: SandboxRecord) -> Runtime:
-        runtime = self._runtimes.get(rec.id)
-        if runtime is None:
-            golden = self._golden_for(rec)
-            if golden is None:
-                raise Conflict(f"sandbox {rec.id}'s template {rec.template!r} is not loaded",
-                               code="template_unavailable")
-            runtime = self._runtimes[rec.id] = Runtime(Machine(self._plan(rec, golden),
-                                                               self.backend))
-        return runtime
+    def _controller(self, rec: SandboxRecord) -> SandboxController:
+        ctl = self._controllers.get(rec.id)
+        if ctl is None:
+            machine = Machine(self.plan(rec), self.backend)
+            ctl = SandboxController(rec, machine, self.registry, self.policy, self.holds,
+                                    self.spawn)
+            self._controllers[rec.id] = ctl
+        return ctl
 
-    def _golden_for(self, rec: SandboxRecord) -> Golden | None:
-        golden = self.goldens.get(rec.template)
-        return golden if golden and str(golden.dir) == rec.golden else None
+    def adopt_controller(self, rec: SandboxRecord, machine: Machine) -> SandboxController:
+        ctl = SandboxController(rec, machine, self.registry, self.policy, self.holds, self.spawn)
+        self._controllers[rec.id] = ctl
+        return ctl
 
-    def _plan(self, rec: SandboxRecord, golden: Golden) -> MachinePlan:
+    def golden_for(self, rec: SandboxRecord) -> Golden:
+        """The golden snapshot a sandbox was made from (older builds stay loadable)."""
+        golden = self._golden_cache.get(rec.golden)
+        if golden is None:
+            golden = load_golden_dir(Path(rec.golden))
+            self._golden_cache[rec.golden] = golden
+        return golden
+
+    def plan(self, rec: SandboxRecord) -> MachinePlan:
         slot = network.slot_for(rec.slot, rec.id, self.backend.config.network)
-        return MachinePlan(vm_id=rec.id, root=Path(rec.root), slot=slot, golden=golden)
+        return MachinePlan(vm_id=rec.id, root=Path(rec.root), slot=slot,
+                           golden=self.golden_for(rec))
+
+
+def _number(value: Any, name: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise BadRequest(f"'{name}' must be a number of seconds >= 0 (0 = never)")
+    return float(value)
+
+
+def _metadata(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise BadRequest("'metadata' must be a JSON object")
+    if len(repr(value)) > MAX_METADATA_BYTES:
+        raise BadRequest(f"'metadata' must be under {MAX_METADATA_BYTES} bytes")
+    return value
+
+
+def _object(body: Any, allowed: set[str]) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    unknown = set(body) - allowed
+    if unknown:
+        raise BadRequest(f"unknown field(s): {', '.join(sorted(unknown))}")
+    return body
 
 
 def validate_create(body: Any) -> tuple[str | None, dict[str, Any], float | None]:
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    unknown = set(body) - {"template", "environment", "metadata", "idle_timeout"}
-    if unknown:
-        raise BadRequest(f"unknown field(s): {', '.join(sorted(unknown))}")
+    body = _object(body, {"template", "environment", "metadata", "idle_timeout"})
     template = body.get("template", body.get("environment"))
     if template is not None and (not isinstance(template, str) or not template):
         raise BadRequest("'template' must be a non-empty string")
-    metadata = body.get("metadata", {})
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
-        raise BadRequest("'metadata' must be a JSON object")
-    if len(repr(metadata)) > MAX_METADATA_BYTES:
-        raise BadRequest(f"'metadata' must be under {MAX_METADATA_BYTES} bytes")
-    idle = body.get("idle_timeout")
-    if idle is not None and (isinstance(idle, bool) or not isinstance(idle, (int, float))
-                             or idle < 0):
-        raise BadRequest("'idle_timeout' must be a number of seconds >= 0 (0 = never)")
-    return template, metadata, idle
+    return template, _metadata(body.get("metadata")) or {}, _number(body.get("idle_timeout"),
+                                                                     "idle_timeout")
 
+
+def validate_update(body: Any) -> tuple[float | None, dict[str, Any] | None]:
+    body = _object(body, {"metadata", "idle_timeout"})
+    return _number(body.get("idle_timeout"), "idle_timeout"), _metadata(body.get("metadata"))

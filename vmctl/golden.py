@@ -16,6 +16,7 @@ leaves a half-built golden snapshot that looks complete.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -64,6 +65,31 @@ async def ensure_golden(image, backend: Backend,  # type: ignore[no-untyped-def]
                   image.mem_mib)
 
 
+def load_golden_dir(directory: Path) -> Golden:
+    """Load a golden snapshot from its directory alone (for sandboxes made from an older
+    build of a template than the one currently served)."""
+    snap, manifest = store.load(directory, verify=False)
+    meta = manifest.meta
+    image_dir = directory.parent
+    initrd = meta.get("initrd") or image_dir / "initrd.img"
+    return Golden(template=meta.get("template", image_dir.parent.name), dir=directory,
+                  snapshot=snap, kernel=Path(meta.get("kernel") or image_dir / "vmlinuz"),
+                  initrd=Path(initrd) if Path(initrd).exists() else None,
+                  cmdline=meta.get("cmdline") or _image_cmdline(image_dir),
+                  mem_mib=int(meta.get("mem_mib") or _mem_from_name(directory.name)))
+
+
+def _image_cmdline(image_dir: Path) -> str:
+    try:
+        return str(json.loads((image_dir / "manifest.json").read_text())["cmdline"])
+    except (OSError, ValueError, KeyError):
+        return "console=ttyS0 reboot=k panic=1 root=/dev/vda rw quiet"
+
+
+def _mem_from_name(name: str) -> int:
+    return int(name.rsplit("-", 1)[-1].rstrip("M"))
+
+
 async def _build(image, backend: Backend, final: Path,  # type: ignore[no-untyped-def]
                  progress: Callable[[str], None], build_slot: int) -> None:
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}")
@@ -96,7 +122,9 @@ async def _build(image, backend: Backend, final: Path,  # type: ignore[no-untype
             await agent.aclose()
         snap = await driver.snapshot(tmp)
         await driver.destroy()
-        await asyncio.to_thread(store.write_manifest, tmp, snap, {"template": image.name})
+        meta = {"template": image.name, "kernel": str(image.kernel), "cmdline": image.cmdline,
+                "initrd": str(image.initrd) if image.initrd else None, "mem_mib": image.mem_mib}
+        await asyncio.to_thread(store.write_manifest, tmp, snap, meta)
         shutil.rmtree(tmp / "vm", ignore_errors=True)
         os.replace(tmp, final)
         progress(f"golden[{image.name}]: snapshot saved in {time.monotonic() - started:.1f}s")

@@ -28,7 +28,7 @@ from vmctl import disks, network, store
 from vmctl.agent_client import AgentClient
 from vmctl.backend import Backend
 from vmctl.driver import Driver, kill_pid, pid_alive
-from vmctl.errors import SnapshotError, VMGoneError
+from vmctl.errors import SnapshotError, VMGoneError, VmctlError
 from vmctl.golden import Golden
 from vmctl.network import NetSlot
 from vmctl.spec import VMMRecord, VMSpec
@@ -44,6 +44,17 @@ class MachinePlan:
     root: Path
     slot: NetSlot
     golden: Golden
+
+
+class RestoreError(VmctlError):
+    """A wake failed. ``guest_started``: the guest ran, so its snapshot is spent."""
+
+    code = "restore_failed"
+    status = 502
+
+    def __init__(self, message: str, guest_started: bool) -> None:
+        super().__init__(message)
+        self.guest_started = guest_started
 
 
 class Machine:
@@ -79,23 +90,66 @@ class Machine:
         await self._start_from(golden.snapshot)
 
     async def suspend(self) -> None:
-        """Snapshot (device state; RAM stays in ``memory``) and let the VMM exit."""
+        """Snapshot (device state; RAM stays in ``memory``) and let the VMM exit.
+
+        The snapshot is complete (manifest written, directory renamed into place)
+        *before* the VMM is stopped, so a crash in between leaves either a running
+        VM or a complete snapshot of a paused one, never neither."""
         assert self.driver is not None
         await self._close_agent()
         tmp = self.plan.root / "snapshot.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         snap = await self.driver.snapshot(tmp)
-        await self.driver.destroy()
-        self.driver = None
         await asyncio.to_thread(store.write_manifest, tmp, snap, hash_roles=("state",))
         shutil.rmtree(self.snapshot_dir, ignore_errors=True)
         os.replace(tmp, self.snapshot_dir)
+        await self.driver.destroy()
+        self.driver = None
+
+    async def abort_suspend(self) -> None:
+        """Undo a suspend that failed half-way: resume the paused VM (raises if it is gone)."""
+        shutil.rmtree(self.plan.root / "snapshot.tmp", ignore_errors=True)
+        if self.driver is None or not self.driver.alive():
+            raise VMGoneError(f"VMM of {self.plan.vm_id} is gone")
+        await self.driver.resume()
+        if self.agent is None:
+            self.agent = AgentClient(self.plan.slot.guest_addr)
 
     async def wake(self) -> float:
-        """Restore from the sandbox's own snapshot; returns ms to agent-ready."""
+        """Restore from the sandbox's own snapshot; returns ms to agent-ready.
+
+        Raises RestoreError; ``guest_started`` tells whether the guest ran (after
+        which the snapshot no longer matches the memory and disk it describes)."""
         started = time.monotonic()
-        snap, _ = await asyncio.to_thread(store.load, self.snapshot_dir)
+        try:
+            snap, _ = await asyncio.to_thread(store.load, self.snapshot_dir)
+        except SnapshotError as exc:
+            raise RestoreError(str(exc), guest_started=False) from exc
         await self._start_from(snap)
+        # The guest now writes to the memory file and disk the snapshot described.
+        shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+        return (time.monotonic() - started) * 1000
+
+    async def cold_boot(self) -> float:
+        """Boot the sandbox's own disk with a fresh kernel (its memory state is lost).
+
+        The fallback when the memory snapshot is unusable: files survive, processes do not."""
+        started = time.monotonic()
+        await self._close_agent()
+        shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+        (self.plan.root / "memory").unlink(missing_ok=True)
+        driver = self.backend.new_driver()
+        self.driver = driver
+        try:
+            await driver.boot(self.spec)
+            self.agent = AgentClient(self.plan.slot.guest_addr)
+            await self.agent.wait_ready(self.backend.config.ready_timeout)
+            await self._init_guest()
+        except BaseException as exc:
+            await asyncio.shield(self._abort_start())
+            if isinstance(exc, Exception):
+                raise RestoreError(f"cold boot failed: {exc}", guest_started=True) from exc
+            raise
         return (time.monotonic() - started) * 1000
 
     async def adopt(self, record: VMMRecord) -> None:
@@ -124,19 +178,29 @@ class Machine:
 
     async def _start_from(self, snap) -> None:  # type: ignore[no-untyped-def]
         if snap.accel is not self.backend.accel:
-            raise SnapshotError(f"snapshot is for {snap.accel.value}; host runs "
-                                f"{self.backend.accel.value}")
+            raise RestoreError(f"snapshot is for {snap.accel.value}; host runs "
+                               f"{self.backend.accel.value}", guest_started=False)
         driver = self.backend.new_driver()
         self.driver = driver
-        await driver.restore(snap, self.spec)
+        try:
+            await driver.restore(snap, self.spec)
+        except Exception as exc:
+            self.driver = None
+            raise RestoreError(str(exc), guest_started=False) from exc
         self.agent = AgentClient(self.plan.slot.guest_addr)
         try:
             await self.agent.wait_ready(self.backend.config.restore_timeout)
-            await self.agent.init(InitRequest(time_ns=time.time_ns(),
-                                              entropy_hex=os.urandom(64).hex()))
-        except BaseException:
+            await self._init_guest()
+        except BaseException as exc:
             await asyncio.shield(self._abort_start())
+            if isinstance(exc, Exception):
+                raise RestoreError(f"guest did not come back: {exc}", guest_started=True) from exc
             raise
+
+    async def _init_guest(self) -> None:
+        assert self.agent is not None
+        await self.agent.init(InitRequest(time_ns=time.time_ns(),
+                                          entropy_hex=os.urandom(64).hex()))
 
     async def _abort_start(self) -> None:
         await self._close_agent()

@@ -1,0 +1,221 @@
+"""Wake-on-request and idle-suspend logic against a fake machine (no VMs, milliseconds)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from gateway.controller import (
+    HoldCounter,
+    RestoreFailed,
+    SandboxController,
+    WakePolicy,
+    WakeTimeout,
+)
+from gateway.errors import Unavailable
+from gateway.lifecycle import Event, State
+from gateway.registry import Registry, SandboxRecord
+from vmctl.machine import RestoreError
+
+
+class FakeMachine:
+    def __init__(self, wake_s=0.02, suspend_s=0.02):
+        self.wake_s, self.suspend_s = wake_s, suspend_s
+        self.wakes = self.suspends = self.cold_boots = self.aborts = 0
+        self.fail_next_wake: Exception | None = None
+        self.running = True
+        self.agent = None
+
+    async def wake(self):
+        self.wakes += 1
+        await asyncio.sleep(self.wake_s)
+        if self.fail_next_wake is not None:
+            exc, self.fail_next_wake = self.fail_next_wake, None
+            raise exc
+        self.running = True
+        return self.wake_s * 1000
+
+    async def cold_boot(self):
+        self.cold_boots += 1
+        self.running = True
+        return 1.0
+
+    async def suspend(self):
+        assert self.running
+        self.suspends += 1
+        await asyncio.sleep(self.suspend_s)
+        self.running = False
+
+    async def abort_suspend(self):
+        self.aborts += 1
+
+    async def destroy(self):
+        self.running = False
+
+    def vmm_record(self):
+        return None
+
+
+@pytest.fixture
+def registry(tmp_path):
+    reg = Registry(tmp_path / "r.sqlite")
+    yield reg
+    reg.close()
+
+
+def make(registry, state=State.SUSPENDED, policy=None, machine=None):
+    now = time.time()
+    rec = SandboxRecord(id="sb1", tenant="t", template="python", state=State.CREATING, slot=0,
+                        root="/nonexistent", golden="/g", idle_timeout=60, host="h",
+                        created_at=now, updated_at=now, last_activity=now)
+    registry.insert_sandbox(rec)
+    registry.transition("sb1", Event.CREATED)
+    if state is State.SUSPENDED:
+        registry.transition("sb1", Event.SUSPEND)
+        registry.transition("sb1", Event.SUSPENDED)
+    tasks = set()
+
+    def spawn(coro, name):
+        t = asyncio.ensure_future(coro)
+        tasks.add(t)
+        t.add_done_callback(lambda t: (tasks.discard(t), t.cancelled() or t.exception()))
+        return t
+
+    machine = machine or FakeMachine()
+    machine.running = state is State.RUNNING
+    ctl = SandboxController(registry.get("sb1"), machine, registry, policy or WakePolicy(),
+                            HoldCounter(), spawn)
+    return ctl, machine
+
+
+async def one_request(ctl, hold=0.0):
+    async with ctl.request() as wake:
+        assert ctl.state is State.RUNNING and ctl.machine.running
+        await asyncio.sleep(hold)
+        return wake
+
+
+async def test_200_concurrent_requests_one_restore(registry):
+    ctl, m = make(registry)
+    results = await asyncio.gather(*(one_request(ctl) for _ in range(200)))
+    assert m.wakes == 1 and len(results) == 200
+    assert all(w.woke for w in results) and ctl.state is State.RUNNING
+    assert registry.get("sb1").restore_count == 1
+    assert ctl.holds.held == 0 and ctl.entering == 0 and ctl.active == 0
+
+
+async def test_first_client_cancelling_does_not_cancel_restore(registry):
+    ctl, m = make(registry, machine=FakeMachine(wake_s=0.1))
+    first = asyncio.ensure_future(one_request(ctl))
+    await asyncio.sleep(0.02)
+    second = asyncio.ensure_future(one_request(ctl))
+    first.cancel()
+    await asyncio.sleep(0)
+    assert (await second).woke
+    assert first.cancelled() and m.wakes == 1 and ctl.state is State.RUNNING
+    assert ctl.entering == 0 and ctl.holds.held == 0
+
+
+async def test_restore_failure_reaches_every_waiter_and_is_not_cached(registry):
+    ctl, m = make(registry)
+    m.fail_next_wake = RestoreError("boom", guest_started=False)
+    results = await asyncio.gather(*(one_request(ctl) for _ in range(20)),
+                                   return_exceptions=True)
+    assert all(isinstance(r, RestoreFailed) and "boom" in str(r) for r in results)
+    assert ctl.state is State.SUSPENDED and m.wakes == 1
+    assert (await one_request(ctl)).woke and m.wakes == 2 and ctl.state is State.RUNNING
+
+
+async def test_failure_after_guest_started_marks_failed_then_cold_boots(registry):
+    ctl, m = make(registry)
+    m.fail_next_wake = RestoreError("agent silent", guest_started=True)
+    with pytest.raises(RestoreFailed):
+        await one_request(ctl)
+    assert ctl.state is State.FAILED and "agent silent" in registry.get("sb1").failure
+    await one_request(ctl)
+    assert m.cold_boots == 1 and ctl.state is State.RUNNING
+
+
+async def test_hold_queue_overflow_is_503_with_retry_after(registry):
+    ctl, m = make(registry, policy=WakePolicy(max_waiters_per_sandbox=5),
+                  machine=FakeMachine(wake_s=0.2))
+    results = await asyncio.gather(*(one_request(ctl) for _ in range(10)),
+                                   return_exceptions=True)
+    rejected = [r for r in results if isinstance(r, Unavailable)]
+    assert rejected and all(r.headers["Retry-After"] for r in rejected)
+    assert all(r.code == "hold_queue_full" for r in rejected)
+    assert len(rejected) + sum(1 for r in results if not isinstance(r, Exception)) == 10
+    assert m.wakes == 1
+
+
+async def test_wake_deadline_is_504_and_waiters_are_dropped(registry):
+    ctl, m = make(registry, policy=WakePolicy(wake_deadline=0.05),
+                  machine=FakeMachine(wake_s=0.3))
+    with pytest.raises(WakeTimeout):
+        await one_request(ctl)
+    assert ctl.holds.held == 0 and ctl.entering == 0
+    await asyncio.sleep(0.3)  # the restore itself carries on and completes
+    assert ctl.state is State.RUNNING
+
+
+async def test_suspend_drains_inflight_requests(registry):
+    ctl, m = make(registry, state=State.RUNNING)
+    req = asyncio.ensure_future(one_request(ctl, hold=0.1))
+    await asyncio.sleep(0.01)
+    op = ctl.start_suspend("test")
+    await asyncio.sleep(0.05)
+    assert m.suspends == 0  # still draining: never suspend under a request
+    await req
+    await op
+    assert m.suspends == 1 and ctl.state is State.SUSPENDED
+
+
+async def test_request_during_drain_cancels_suspend(registry):
+    ctl, m = make(registry, state=State.RUNNING)
+    busy = asyncio.ensure_future(one_request(ctl, hold=0.05))
+    await asyncio.sleep(0.01)
+    op = ctl.start_suspend("test")
+    late = asyncio.ensure_future(one_request(ctl))
+    await asyncio.gather(busy, late, op)
+    assert m.suspends == 0 and m.aborts == 0 and ctl.state is State.RUNNING
+    log = [t["event"] for t in registry.transitions("sb1")]
+    assert log[-2:] == ["suspend", "suspend_aborted"]
+
+
+@pytest.mark.parametrize("seed", range(30))
+async def test_request_racing_suspend_is_answered_exactly_once(registry, seed):
+    rnd = random.Random(seed)
+    ctl, m = make(registry, state=State.RUNNING,
+                  machine=FakeMachine(wake_s=rnd.uniform(0, 0.02), suspend_s=rnd.uniform(0, 0.02)))
+    answered = []
+
+    async def req(i):
+        await asyncio.sleep(rnd.uniform(0, 0.04))
+        async with ctl.request():
+            assert m.running
+            answered.append(i)
+
+    async def suspender():
+        for _ in range(3):
+            await asyncio.sleep(rnd.uniform(0, 0.02))
+            if ctl.state is State.RUNNING and ctl._op is None:
+                await ctl.start_suspend("race")
+
+    await asyncio.gather(*(req(i) for i in range(20)), suspender())
+    assert sorted(answered) == list(range(20))
+    assert ctl.entering == 0 and ctl.active == 0 and ctl.holds.held == 0
+    if ctl._op is not None:
+        await ctl._op
+
+
+async def test_suspend_failure_with_vm_alive_rolls_back(registry):
+    class Broken(FakeMachine):
+        async def suspend(self):
+            raise RuntimeError("disk full")
+
+    ctl, m = make(registry, state=State.RUNNING, machine=Broken())
+    await ctl.start_suspend("test")
+    assert ctl.state is State.RUNNING and m.aborts == 1
