@@ -189,8 +189,8 @@ class Machine:
             raise RestoreError(str(exc), guest_started=False) from exc
         self.agent = AgentClient(self.plan.slot.guest_addr)
         try:
-            await self.agent.wait_ready(self.backend.config.restore_timeout)
-            await self._init_guest()
+            timeout = self.backend.config.restore_timeout
+            await self.agent.init_when_ready(self._init_request, timeout)
         except BaseException as exc:
             await asyncio.shield(self._abort_start())
             if isinstance(exc, Exception):
@@ -199,8 +199,12 @@ class Machine:
 
     async def _init_guest(self) -> None:
         assert self.agent is not None
-        await self.agent.init(InitRequest(time_ns=time.time_ns(),
-                                          entropy_hex=os.urandom(64).hex()))
+        await self.agent.init(self._init_request())
+
+    @staticmethod
+    def _init_request() -> InitRequest:
+        # Built per attempt: the clock value must be fresh when the guest applies it.
+        return InitRequest(time_ns=time.time_ns(), entropy_hex=os.urandom(64).hex())
 
     async def _abort_start(self) -> None:
         await self._close_agent()

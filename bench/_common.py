@@ -1,0 +1,47 @@
+"""Shared helpers for the benchmarks: percentiles, a private daemon, printing."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.e2e.conftest import IMAGES_DIR, start_daemon, stop_daemon  # noqa: E402
+
+__all__ = ["IMAGES_DIR", "start_daemon", "stop_daemon", "pct", "report", "private_daemon"]
+
+
+def pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * p / 100
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def report(name: str, values: list[float], unit: str = "ms") -> float:
+    med = statistics.median(values)
+    print(f"{name:<48} n={len(values):<4} p50={med:9.1f} {unit}  p95={pct(values, 95):9.1f} {unit}"
+          f"  min={min(values):8.1f}  max={max(values):8.1f}", flush=True)
+    return med
+
+
+class private_daemon:  # noqa: N801 - used as a context manager
+    """A daemon with its own data dir (shared, cached images), stopped on exit."""
+
+    def __enter__(self):
+        self._tmp = tempfile.TemporaryDirectory(prefix="agentbox-bench-")
+        self.daemon = start_daemon(Path(self._tmp.name) / "data")
+        return self.daemon
+
+    def __exit__(self, *exc):
+        try:
+            with self.daemon.client() as c:
+                for sb in c.get("/v1/sandboxes").json()["sandboxes"]:
+                    c.delete(f"/v1/sandboxes/{sb['id']}")
+        finally:
+            stop_daemon(self.daemon)
+            self._tmp.cleanup()
