@@ -1,0 +1,359 @@
+"""The OpenAPI 3.1 document of the REST API, generated, served at ``GET /v1/openapi.json``.
+
+Request and response schemas that cross to the guest come from the dataclasses
+in ``guest.protocol`` (one source of truth: a new field there appears here);
+the gateway's own shapes are written out below. ``tests/unit/test_openapi.py``
+checks that every registered route is documented and every documented route is
+registered, and validates the document.
+
+Register with ``app.add_routes(openapi.routes)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from gateway.api import json_response
+from gateway.lifecycle import State
+from gateway.middleware import PUBLIC_PATHS
+from guest import protocol as p
+
+routes = web.RouteTableDef()
+
+JSON, NDJSON, BYTES = "application/json", "application/x-ndjson", "application/octet-stream"
+_SIMPLE = {str: "string", int: "integer", float: "number", bool: "boolean"}
+
+
+# -- schemas from dataclasses ------------------------------------------------------------------
+
+def type_schema(tp: Any) -> dict[str, Any]:
+    """JSON Schema (2020-12, as OpenAPI 3.1 uses) for a Python type annotation."""
+    if tp in _SIMPLE:
+        return {"type": _SIMPLE[tp]}
+    if tp is Any or tp is object:
+        return {}
+    if dataclasses.is_dataclass(tp):
+        return {"$ref": f"#/components/schemas/{tp.__name__}"}
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = [type_schema(a) for a in args if a is not type(None)]
+        if type(None) in args:
+            options.append({"type": "null"})
+        if all(set(o) == {"type"} for o in options):
+            return {"type": [o["type"] for o in options]}
+        return {"anyOf": options}
+    if origin is list:
+        return {"type": "array", "items": type_schema(args[0]) if args else {}}
+    if origin is dict:
+        return {"type": "object", "additionalProperties": type_schema(args[1]) if args else {}}
+    raise TypeError(f"no schema for {tp!r}")
+
+
+def dataclass_schema(cls: type, doc: dict[str, str] | None = None) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    props, required = {}, []
+    for f in dataclasses.fields(cls):
+        schema = type_schema(hints[f.name])
+        if f.default is not dataclasses.MISSING:
+            schema["default"] = f.default
+        elif f.default_factory is dataclasses.MISSING:
+            required.append(f.name)
+        if doc and f.name in doc:
+            schema["description"] = doc[f.name]
+        props[f.name] = schema
+    out: dict[str, Any] = {"type": "object", "properties": props}
+    if required:
+        out["required"] = required
+    if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("):
+        out["description"] = " ".join(cls.__doc__.split())
+    return out
+
+
+def _obj(props: dict[str, Any], required: tuple[str, ...] = (), **extra: Any) -> dict[str, Any]:
+    out = {"type": "object", "properties": props, **extra}
+    if required:
+        out["required"] = list(required)
+    return out
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _list_of(key: str, item: str) -> dict[str, Any]:
+    return _obj({key: {"type": "array", "items": _ref(item)}}, (key,))
+
+
+_STR, _NUM, _INT, _BOOL = ({"type": t} for t in ("string", "number", "integer", "boolean"))
+_NSTR, _NNUM = {"type": ["string", "null"]}, {"type": ["number", "null"]}
+_METADATA = {"type": "object", "description": "free-form JSON object (max 16 KiB)"}
+_IDLE = {"type": "number", "minimum": 0,
+         "description": "seconds without activity before the sandbox is suspended; 0 = never"}
+
+
+def _gateway_schemas() -> dict[str, Any]:
+    sandbox = _obj({
+        "id": _STR, "state": {"type": "string", "enum": [s.value for s in State]},
+        "template": _STR, "metadata": _METADATA, "idle_timeout": _NNUM,
+        "created_at": _NUM, "updated_at": _NUM, "last_activity": _NUM,
+        "suspend_count": _INT, "restore_count": _INT, "last_suspend_ms": _NNUM,
+        "last_restore_ms": _NNUM, "failure": _NSTR},
+        ("id", "state", "template", "metadata", "created_at"))
+    output_event = _obj({
+        "type": {"type": "string", "enum": ["start", "stdout", "stderr", "dropped", "exit"]},
+        "pid": _INT, "data": _STR, "offset": _INT, "next_offset": _INT,
+        "exit_code": {"type": ["integer", "null"]}, "timed_out": _BOOL}, ("type",),
+        description="one NDJSON line of a command's output (reattach from next_offset)")
+    run_event = _obj({
+        "type": {"type": "string", "enum": ["stdout", "stderr", "result", "error", "end"]},
+        "data": _STR, "result": _ref("Result"), "error": _ref("ExecutionError"),
+        "execution_count": _INT, "duration_ms": _NUM}, ("type",),
+        description="one NDJSON line of a streamed run_code")
+    return {
+        "Error": _obj({"error": _obj({"code": _STR, "message": _STR}, ("code", "message"))},
+                      ("error",)),
+        "Sandbox": sandbox,
+        "SandboxList": _list_of("sandboxes", "Sandbox"),
+        "CreateSandboxRequest": _obj({
+            "template": {"type": "string", "description": "default: the server's default"},
+            "environment": {"type": "string", "description": "alias of template"},
+            "metadata": _METADATA, "idle_timeout": _IDLE}, additionalProperties=False),
+        "UpdateSandboxRequest": _obj({"metadata": _METADATA, "idle_timeout": _IDLE},
+                                     additionalProperties=False),
+        "Template": _obj({"name": _STR, "mem_mib": _INT, "default": _BOOL}, ("name",)),
+        "TemplateList": _list_of("templates", "Template"),
+        "Health": _obj({"status": _STR, "vmm": _STR, "accel": _STR, "accel_reason": _STR,
+                        "templates": {"type": "array", "items": _STR}}, ("status",)),
+        "Info": _obj({"version": _STR, "preview_url_template": {
+            "type": "string", "description": "URL of a sandbox port, with {port} and {id}"}},
+            additionalProperties=True),
+        "CreateKeyRequest": _obj({"name": _STR, "admin": _BOOL}, ("name",)),
+        "CreatedKey": _obj({"id": _STR, "name": _STR, "admin": _BOOL, "key": {
+            "type": "string", "description": "the secret, shown only once"}},
+            ("id", "name", "admin", "key")),
+        "Result": _obj({"is_main_result": _BOOL, "text/plain": _STR, "text/html": _STR,
+                        "image/png": {"type": "string", "contentEncoding": "base64"},
+                        "application/json": {}}, ("is_main_result",),
+                       additionalProperties=True,
+                       description="a MIME bundle; is_main_result marks the last expression"),
+        "ContextList": _list_of("contexts", "ContextInfo"),
+        "ProcessList": _list_of("commands", "ProcessInfo"),
+        "OutputEvent": output_event,
+        "RunEvent": run_event,
+    }
+
+
+_PROTOCOL = (p.ExecRequest, p.ExecResult, p.FileInfo, p.DirListing, p.RunCodeRequest,
+             p.ExecutionError, p.CreateContextRequest, p.ContextInfo, p.CommandRequest,
+             p.ProcessInfo, p.SignalRequest)
+
+
+def _schemas() -> dict[str, Any]:
+    schemas = {cls.__name__: dataclass_schema(cls) for cls in _PROTOCOL}
+    execution = dataclass_schema(p.Execution)
+    execution["properties"]["results"] = {"type": "array", "items": _ref("Result")}
+    schemas["Execution"] = execution
+    schemas.update(_gateway_schemas())
+    return schemas
+
+
+# -- operations --------------------------------------------------------------------------------
+
+_ERRORS = {
+    400: ("BadRequest", "malformed request (bad_request, bad_json, invalid_path, ...)"),
+    401: ("Unauthorized", "missing_api_key or invalid_api_key"),
+    403: ("Forbidden", "the key may not do this (forbidden)"),
+    404: ("NotFound", "sandbox_not_found, template_not_found, not_found (file), "
+                      "context_not_found, process_not_found"),
+    409: ("Conflict", "wrong state: not_running, conflict, stdin_closed, context_exists"),
+    413: ("PayloadTooLarge", "body over the server's limit (payload_too_large)"),
+    429: ("TooMany", "too_many_contexts, too_many_processes"),
+    502: ("SandboxFailed", "the VM or guest agent failed: vm_start_failed, vm_gone, "
+                           "agent_unreachable, snapshot_invalid, vmm_protocol_error"),
+    503: ("Unavailable", "at capacity (sandbox_limit) or busy; see Retry-After"),
+    504: ("Timeout", "the sandbox did not answer in time (vm_timeout)"),
+    507: ("NoSpace", "the sandbox's disk is full (no_space)"),
+}
+_SANDBOX_ERRORS = (404, 409, 502, 503, 504)
+
+
+@dataclass(frozen=True)
+class Op:
+    method: str
+    path: str
+    summary: str
+    tag: str
+    ok: int = 200
+    body: str | None = None  # schema name, or "bytes"
+    returns: str | None = None  # schema name, "bytes", "ndjson:Schema", or None (no body)
+    errors: tuple[int, ...] = ()
+    query: tuple[tuple[str, str, dict[str, Any]], ...] = ()  # (name, description, schema)
+    description: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_SB, _PID = "/v1/sandboxes/{id}", "/v1/sandboxes/{id}/commands/{pid}"
+_NDJSON_NOTE = ("Streams NDJSON; a stream that ends without its final line was cut short.")
+
+OPS: tuple[Op, ...] = (
+    Op("GET", "/healthz", "Daemon health (no key needed)", "meta", returns="Health"),
+    Op("GET", "/v1/info", "Server version and preview URL template", "meta", returns="Info"),
+    Op("GET", "/v1/openapi.json", "This document", "meta", returns="object"),
+    Op("GET", "/v1/templates", "List templates", "templates", returns="TemplateList"),
+    Op("POST", "/v1/keys", "Create an API key (admin key only)", "keys", 201,
+       "CreateKeyRequest", "CreatedKey", (400, 403)),
+    Op("POST", "/v1/sandboxes", "Create a sandbox", "sandboxes", 201, "CreateSandboxRequest",
+       "Sandbox", (400, 404, 502, 503, 504)),
+    Op("GET", "/v1/sandboxes", "List the key's sandboxes", "sandboxes", returns="SandboxList"),
+    Op("GET", _SB, "Get a sandbox", "sandboxes", returns="Sandbox", errors=(404,)),
+    Op("PATCH", _SB, "Change a sandbox's idle timeout or metadata", "sandboxes",
+       body="UpdateSandboxRequest", returns="Sandbox", errors=(400, 404)),
+    Op("DELETE", _SB, "Delete a sandbox", "sandboxes", 204, errors=(404,)),
+    Op("POST", _SB + "/suspend", "Suspend: snapshot to disk, stop the VM", "sandboxes",
+       returns="Sandbox", errors=_SANDBOX_ERRORS),
+    Op("POST", _SB + "/resume", "Resume a suspended sandbox (any request also wakes it)",
+       "sandboxes", returns="Sandbox", errors=_SANDBOX_ERRORS),
+    Op("GET", _SB + "/terminal", "Interactive terminal (WebSocket)", "sandboxes", 101,
+       errors=_SANDBOX_ERRORS, description=(
+           "Upgrade to a WebSocket. Binary frames carry raw terminal bytes both ways. Text "
+           "frames are JSON: {\"type\":\"resize\",\"cols\",\"rows\"} from the client, "
+           "{\"type\":\"exit\",\"exit_code\"} from the server before it closes.")),
+    Op("POST", _SB + "/execute", "Run code or a shell command to completion", "execute",
+       body="ExecRequest", returns="ExecResult", errors=(400,) + _SANDBOX_ERRORS),
+    Op("POST", _SB + "/files", "Upload a file (raw body; atomic)", "files", 201, "bytes",
+       "FileInfo", (400, 413, 507) + _SANDBOX_ERRORS,
+       (("path", "absolute path in the sandbox", {"type": "string"}),)),
+    Op("PUT", _SB + "/files", "Upload a file (same as POST)", "files", 201, "bytes",
+       "FileInfo", (400, 413, 507) + _SANDBOX_ERRORS,
+       (("path", "absolute path in the sandbox", {"type": "string"}),)),
+    Op("GET", _SB + "/files/{path}", "Download a file, or list a directory (JSON)", "files",
+       returns="bytes|DirListing", errors=(400,) + _SANDBOX_ERRORS),
+    Op("DELETE", _SB + "/files/{path}", "Delete a file or directory (recursively)", "files",
+       204, errors=(400,) + _SANDBOX_ERRORS),
+    Op("POST", _SB + "/run_code", "Run code in a stateful interpreter context", "interpreter",
+       body="RunCodeRequest", returns="Execution|ndjson:RunEvent",
+       errors=(400,) + _SANDBOX_ERRORS, description="With \"stream\": true: " + _NDJSON_NOTE),
+    Op("POST", _SB + "/contexts", "Create an interpreter context", "interpreter", 201,
+       "CreateContextRequest", "ContextInfo", (400, 429) + _SANDBOX_ERRORS),
+    Op("GET", _SB + "/contexts", "List interpreter contexts", "interpreter",
+       returns="ContextList", errors=_SANDBOX_ERRORS),
+    Op("DELETE", _SB + "/contexts/{name}", "Delete an interpreter context", "interpreter",
+       204, errors=(400,) + _SANDBOX_ERRORS),
+    Op("POST", _SB + "/commands", "Start a command (background: answer at once)", "commands",
+       201, "CommandRequest", "ProcessInfo|ndjson:OutputEvent", (400, 429) + _SANDBOX_ERRORS,
+       description="background=false streams its output (200 NDJSON, first line "
+                   "{\"type\":\"start\",\"pid\"}); the command is killed if the client leaves."),
+    Op("GET", _SB + "/commands", "List commands", "commands", returns="ProcessList",
+       errors=_SANDBOX_ERRORS),
+    Op("GET", _PID, "Get a command", "commands", returns="ProcessInfo", errors=_SANDBOX_ERRORS),
+    Op("POST", _PID + "/stdin", "Write to a command's stdin (raw body)", "commands", 204,
+       "bytes", None, (409,) + _SANDBOX_ERRORS,
+       (("eof", "1: close stdin after writing", {"type": "string", "enum": ["0", "1"]}),)),
+    Op("POST", _PID + "/signal", "Signal a command's process group", "commands", 204,
+       "SignalRequest", None, (400,) + _SANDBOX_ERRORS),
+    Op("GET", _PID + "/wait", "Wait for a command to finish", "commands", returns="ProcessInfo",
+       errors=(400,) + _SANDBOX_ERRORS,
+       query=(("timeout", "seconds to wait (default 30, max 3600)", {"type": "number"}),)),
+    Op("GET", _PID + "/output", "A command's output from a byte offset", "commands",
+       returns="ndjson:OutputEvent", errors=(400,) + _SANDBOX_ERRORS, query=(
+           ("offset", "absolute byte offset to start from", {"type": "integer", "minimum": 0}),
+           ("follow", "1: keep streaming until the command exits",
+            {"type": "string", "enum": ["0", "1"]})),
+       description=_NDJSON_NOTE + " Reattach with offset = the last next_offset seen."),
+)
+
+
+def _content(kind: str) -> dict[str, Any]:
+    content: dict[str, Any] = {}
+    for part in kind.split("|"):
+        if part == "bytes":
+            content[BYTES] = {"schema": {"type": "string", "contentMediaType": BYTES}}
+        elif part == "object":
+            content[JSON] = {"schema": {"type": "object"}}
+        elif part.startswith("ndjson:"):
+            content[NDJSON] = {"schema": _ref(part[len("ndjson:"):])}
+        else:
+            content[JSON] = {"schema": _ref(part)}
+    return content
+
+
+def _path_params(path: str) -> list[dict[str, Any]]:
+    names = [seg[1:-1] for seg in path.split("/") if seg.startswith("{")]
+    schema = {"pid": {"type": "integer"}}
+    return [{"name": n, "in": "path", "required": True,
+             "schema": schema.get(n, {"type": "string"})} for n in names]
+
+
+def _operation(op: Op) -> dict[str, Any]:
+    ok: dict[str, Any] = {"description": "Switching Protocols" if op.ok == 101 else "OK"}
+    if op.returns:
+        ok["content"] = _content(op.returns)
+    errors = op.errors if op.path in PUBLIC_PATHS else (401, *op.errors)
+    responses = {str(op.ok): ok}
+    responses.update({str(s): {"$ref": f"#/components/responses/{_ERRORS[s][0]}"}
+                      for s in sorted(set(errors))})
+    out: dict[str, Any] = {
+        "summary": op.summary, "tags": [op.tag], "responses": responses,
+        "operationId": _operation_id(op),
+        "parameters": _path_params(op.path) + [
+            {"name": n, "in": "query", "description": d, "schema": s} for n, d, s in op.query],
+    }
+    if op.body:
+        out["requestBody"] = {"required": True, "content": _content(op.body)}
+    if op.description:
+        out["description"] = op.description
+    if op.path in PUBLIC_PATHS:
+        out["security"] = []
+    return out
+
+
+def _operation_id(op: Op) -> str:
+    words = [w.strip("{}") for w in op.path.split("/")[2:] if w]
+    return "_".join([op.method.lower(), *words]).replace(".", "_") or "healthz"
+
+
+@functools.cache
+def build_document(version: str | None = None) -> dict[str, Any]:
+    """The whole OpenAPI 3.1 document (cached; treat it as read-only)."""
+    paths: dict[str, dict[str, Any]] = {}
+    for op in OPS:
+        paths.setdefault(op.path, {})[op.method.lower()] = _operation(op)
+    responses = {name: {"description": desc, "content": {JSON: {"schema": _ref("Error")}}}
+                 for name, desc in _ERRORS.values()}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "AgentBox API", "version": version or _version(),
+                 "description": "Self-hosted microVM sandboxes for AI agents. Errors are "
+                                "{\"error\": {\"code\", \"message\"}} with a stable code."},
+        "security": [{"bearerAuth": []}],
+        "paths": paths,
+        "components": {
+            "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
+            "schemas": _schemas(), "responses": responses},
+    }
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("agentbox")
+    except PackageNotFoundError:
+        return "0.0.0"
+
+
+def documented_routes() -> set[tuple[str, str]]:
+    return {(op.method, op.path) for op in OPS}
+
+
+@routes.get("/v1/openapi.json")
+async def openapi_json(request: web.Request) -> web.Response:
+    doc = {**build_document(), "servers": [{"url": f"{request.scheme}://{request.host}"}]}
+    return json_response(doc)
