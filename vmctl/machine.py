@@ -16,9 +16,11 @@ Directory layout (``root``)::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +65,8 @@ class Machine:
         self.backend = backend
         self.driver: Driver | None = None
         self.agent: AgentClient | None = None
+        self._seal: asyncio.Future | None = None
+        self._seal_cancel = threading.Event()
 
     @property
     def spec(self) -> VMSpec:
@@ -105,6 +109,23 @@ class Machine:
         os.replace(tmp, self.snapshot_dir)
         await self.driver.destroy()
         self.driver = None
+        self._start_seal()
+
+    def _start_seal(self) -> None:
+        """Hash the memory file into the manifest in a worker thread (hundreds of ms for
+        512 MiB, so not on the suspend path); a wake cancels it or uses its result."""
+        self._seal_cancel = threading.Event()
+        loop = asyncio.get_running_loop()
+        self._seal = loop.run_in_executor(None, store.seal, self.snapshot_dir, "memory",
+                                          self._seal_cancel)
+        self._seal.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def _stop_seal(self) -> None:
+        seal, self._seal = self._seal, None
+        if seal is not None:
+            self._seal_cancel.set()
+            with contextlib.suppress(Exception):
+                await asyncio.shield(seal)
 
     async def abort_suspend(self) -> None:
         """Undo a suspend that failed half-way: resume the paused VM (raises if it is gone)."""
@@ -121,6 +142,7 @@ class Machine:
         Raises RestoreError; ``guest_started`` tells whether the guest ran (after
         which the snapshot no longer matches the memory and disk it describes)."""
         started = time.monotonic()
+        await self._stop_seal()
         try:
             snap, _ = await asyncio.to_thread(store.load, self.snapshot_dir)
         except SnapshotError as exc:
@@ -135,6 +157,7 @@ class Machine:
 
         The fallback when the memory snapshot is unusable: files survive, processes do not."""
         started = time.monotonic()
+        await self._stop_seal()
         await self._close_agent()
         shutil.rmtree(self.snapshot_dir, ignore_errors=True)
         (self.plan.root / "memory").unlink(missing_ok=True)
@@ -161,6 +184,7 @@ class Machine:
     async def destroy(self) -> None:
         """Remove the VMM, the namespace and every file. Idempotent."""
         try:
+            await self._stop_seal()
             await self._close_agent()
             if self.driver is not None:
                 await self.driver.destroy()

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +55,11 @@ def _stat_key(path: Path) -> tuple[str, int, int, int]:
     return (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def sha256_file(path: Path) -> str:
+class SealCancelled(Exception):
+    pass
+
+
+def sha256_file(path: Path, cancel: threading.Event | None = None) -> str:
     key = _stat_key(path)
     cached = _verified.get(key)
     if cached is not None:
@@ -62,10 +67,33 @@ def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
+            if cancel is not None and cancel.is_set():
+                raise SealCancelled(str(path))
             h.update(chunk)
     digest = h.hexdigest()
-    _verified[key] = digest
+    if _stat_key(path) == key:  # only cache what did not change while we read it
+        _verified[key] = digest
     return digest
+
+
+def seal(directory: Path, role: str, cancel: threading.Event) -> None:
+    """Add the SHA256 of ``role``'s file to a complete snapshot's manifest.
+
+    Used for large files (guest memory) after a suspend has finished, off the
+    critical path; ``cancel`` aborts it when the sandbox is woken first (that
+    snapshot is then loaded with only its smaller files verified)."""
+    mpath = directory / MANIFEST
+    manifest = Manifest.from_json(mpath.read_bytes())
+    entry = dict(manifest.files[role])
+    entry["sha256"] = sha256_file(directory / entry["path"], cancel)
+    files = {**manifest.files, role: entry}
+    sealed = Manifest(manifest.driver, manifest.accel, files, manifest.created_at, manifest.meta)
+    if cancel.is_set():
+        raise SealCancelled(str(directory))
+    tmp = directory / (MANIFEST + ".tmp")
+    tmp.write_bytes(sealed.to_json())
+    _fsync(tmp)
+    os.replace(tmp, mpath)
 
 
 def write_manifest(directory: Path, snap: SnapshotFiles, meta: dict[str, Any] | None = None,
