@@ -62,6 +62,8 @@ class AsyncCommandHandle:
                 async with contextlib.aclosing(self._t.events(call)) as events:
                     async for event in events:
                         chunk = self._out.feed(event)
+                        if deadline.end is not None:
+                            deadline.remaining()  # raises once the wait timed out
                         if chunk is not None:
                             attempt = 0
                             await maybe_await(notify(self._callbacks, chunk_notice(chunk)))

@@ -96,6 +96,8 @@ class CommandHandle:
             try:
                 for event in self._t.events(call):
                     chunk = self._out.feed(event)
+                    if deadline.end is not None:
+                        deadline.remaining()  # raises once the wait timed out
                     if chunk is not None:
                         attempt = 0
                         notify(self._callbacks, chunk_notice(chunk))
