@@ -25,7 +25,7 @@ from typing import Any, TypeVar  # noqa: E402
 
 from aiohttp import web  # noqa: E402
 
-from guest import files, restore  # noqa: E402
+from guest import files, ports, restore, terminal  # noqa: E402
 from guest.errors import AgentError, BadJson, ClientGone, InvalidPath, ResponseStarted  # noqa: E402
 from guest.execution import ExecOwner, Executor  # noqa: E402
 from guest.interpreter import ExecutionCollector, Interpreter  # noqa: E402
@@ -367,6 +367,8 @@ def create_app(
     router.add_post(r"/commands/{pid:\d+}/signal", agent.signal_command)
     router.add_get(r"/commands/{pid:\d+}/wait", agent.wait_command, allow_head=False)
     router.add_get(r"/commands/{pid:\d+}/output", agent.command_output, allow_head=False)
+    terminal.add_routes(app, agent.executor, agent.owner)  # GET /pty (counted by the owner)
+    ports.add_routes(app)
     return app
 
 

@@ -43,6 +43,20 @@ Commands (background processes with reattachable output; ``guest/processes.py``)
                               {"type": "stdout"|"stderr", "data", "offset", "next_offset"},
                               {"type": "dropped", "offset", "next_offset"} (ring overwritten),
                               {"type": "exit", "exit_code", "offset"} (once finished)
+
+Terminals (``guest/terminal.py``):
+
+  GET    /pty?cols=C&rows=R&cmd=CMD  -> WebSocket. Binary frames both ways are raw bytes
+                              (keyboard in, terminal output out); client text frames are JSON
+                              TerminalResize {"type": "resize", "cols", "rows"}. When the shell
+                              exits: text frame {"type": "exit", "exit_code"}, then close 1000.
+                              A client that closes hangs the shell up (SIGHUP, then SIGKILL).
+
+Ports (``guest/ports.py``):
+
+  GET    /ports               -> {"ports": [PortInfo]}   (listening TCP ports)
+  POST   /ports/{port}/expose -> PortExposure   (forward GUEST_ADDR:port to a loopback-only
+                              listener; 404 ``port_not_listening`` if nothing listens)
 """
 
 from __future__ import annotations
@@ -460,6 +474,91 @@ class SignalRequest:
 
     @classmethod
     def from_dict(cls, data: object) -> SignalRequest:
+        return _from_dict(cls, data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# -- terminals and ports ------------------------------------------------------------------
+
+DEFAULT_COLS = 80
+DEFAULT_ROWS = 24
+MAX_TERMINAL_SIZE = 10000  # columns or rows (the kernel's winsize holds 16 bits)
+
+
+def validate_terminal_size(cols: object, rows: object) -> tuple[int, int]:
+    """``(cols, rows)`` as ints, each 1-MAX_TERMINAL_SIZE, or ProtocolError."""
+    for name, value in (("cols", cols), ("rows", rows)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ProtocolError(f"'{name}' must be an integer")
+        if not 1 <= value <= MAX_TERMINAL_SIZE:
+            raise ProtocolError(f"'{name}' must be between 1 and {MAX_TERMINAL_SIZE}")
+    return cols, rows  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class TerminalResize:
+    """A client's control message on a terminal WebSocket (a JSON text frame)."""
+
+    cols: int
+    rows: int
+    type: str = "resize"
+
+    def __post_init__(self) -> None:
+        if self.type != "resize":
+            raise ProtocolError(f"unknown terminal message type {self.type!r}")
+        validate_terminal_size(self.cols, self.rows)
+
+    @classmethod
+    def from_dict(cls, data: object) -> TerminalResize:
+        return _from_dict(cls, data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def terminal_exit(exit_code: int) -> dict[str, Any]:
+    """The last text frame on a terminal WebSocket (``exit_code`` is -N for signal N)."""
+    return {"type": "exit", "exit_code": exit_code}
+
+
+def validate_port(port: object) -> int:
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ProtocolError("port must be an integer between 1 and 65535")
+    return port
+
+
+@dataclass(frozen=True)
+class PortInfo:
+    """A TCP port something listens on in the guest. ``addresses``: the user's sockets'
+    bind addresses (``0.0.0.0``/``::`` for all); ``forwarded``: the agent forwards
+    GUEST_ADDR:port to it (``POST /ports/{port}/expose``)."""
+
+    port: int
+    addresses: list[str]
+    forwarded: bool = False
+
+    @classmethod
+    def from_dict(cls, data: object) -> PortInfo:
+        return _from_dict(cls, data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class PortExposure:
+    """The answer to an expose: ``listening`` (something accepts on the port) and
+    ``forwarded`` (reachable through the agent's forwarder; false when the listener
+    already accepts on GUEST_ADDR or every address)."""
+
+    port: int
+    forwarded: bool
+    listening: bool
+
+    @classmethod
+    def from_dict(cls, data: object) -> PortExposure:
         return _from_dict(cls, data)
 
     def to_dict(self) -> dict[str, Any]:
