@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 from gateway.errors import ApiError, Conflict, SandboxNotFound, Unavailable
 from gateway.lifecycle import Event, State
+from gateway.metrics import Metrics
 from gateway.registry import Registry, SandboxRecord
 from vmctl.machine import RestoreError
 
@@ -98,8 +99,10 @@ class Wake:
 class SandboxController:
     def __init__(self, rec: SandboxRecord, machine: MachineLike, registry: Registry,
                  policy: WakePolicy, holds: HoldCounter,
-                 spawn: Callable[[Awaitable[Any], str], asyncio.Task]) -> None:
+                 spawn: Callable[[Awaitable[Any], str], asyncio.Task],
+                 metrics: Metrics | None = None) -> None:
         self.rec = rec
+        self.metrics = metrics or Metrics()
         self.machine = machine
         self.registry = registry
         self.policy = policy
@@ -191,6 +194,7 @@ class SandboxController:
         """Wait for the current operation (bounded), without being able to cancel it."""
         if self.entering > self.policy.max_waiters_per_sandbox or \
                 self.holds.held >= self.policy.max_waiters_global:
+            self.metrics.events["hold_rejected"] += 1
             raise Unavailable(f"too many requests waiting for sandbox {self.id} to wake",
                               code="hold_queue_full",
                               headers={"Retry-After": str(self.policy.retry_after_s)})
@@ -206,6 +210,7 @@ class SandboxController:
         try:
             await asyncio.wait_for(asyncio.shield(op), remaining)
         except TimeoutError as exc:
+            self.metrics.events["wake_timeout"] += 1
             raise WakeTimeout(f"sandbox {self.id} did not wake within "
                               f"{self.policy.wake_deadline:.0f}s") from exc
         finally:
@@ -225,14 +230,18 @@ class SandboxController:
             try:
                 ms = await (self.machine.cold_boot() if cold else self.machine.wake())
             except RestoreError as exc:
+                self.metrics.events["restore_failed"] += 1
                 if exc.guest_started or cold:
                     self._set(Event.SNAPSHOT_LOST, f"restore failed: {exc}", failure=str(exc))
                 else:
                     self._set(Event.RESTORE_FAILED, f"restore failed: {exc}", failure=str(exc))
                 raise RestoreFailed(f"sandbox {self.id} could not be restored: {exc}") from exc
             except Exception as exc:
+                self.metrics.events["restore_failed"] += 1
                 self._set(Event.RESTORE_FAILED, f"restore failed: {exc!r}", failure=str(exc))
                 raise RestoreFailed(f"sandbox {self.id} could not be restored: {exc}") from exc
+            self.metrics.events["cold_boot" if cold else "restore"] += 1
+            self.metrics.restore_seconds.observe(ms / 1000)
             vmm = self.machine.vmm_record()
             self._set(Event.RESTORED, "cold boot of its disk" if cold else "restored snapshot",
                       vmm=vmm.__dict__ if vmm else None, failure=None,
@@ -261,6 +270,7 @@ class SandboxController:
                     break
                 await asyncio.sleep(0.005)
             if self._cancel_suspend or self.entering:
+                self.metrics.events["suspend_cancelled"] += 1
                 self._set(Event.SUSPEND_ABORTED, "a request arrived before the snapshot")
                 return
             try:
@@ -269,6 +279,8 @@ class SandboxController:
                 await self._suspend_failed(exc)
                 return
             ms = (time.monotonic() - started) * 1000
+            self.metrics.events["suspend"] += 1
+            self.metrics.suspend_seconds.observe(ms / 1000)
             self._set(Event.SUSPENDED, "snapshot written; VMM exited", vmm=None,
                       suspend_count=self.rec.suspend_count + 1, last_suspend_ms=round(ms, 1))
         finally:

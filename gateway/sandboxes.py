@@ -25,6 +25,7 @@ from gateway.config import Config
 from gateway.controller import HoldCounter, SandboxController, Wake, WakePolicy
 from gateway.errors import BadRequest, Conflict, SandboxNotFound, TemplateNotFound, Unavailable
 from gateway.lifecycle import Event, State
+from gateway.metrics import Metrics
 from gateway.registry import Registry, SandboxRecord
 from vmctl import network
 from vmctl.backend import Backend
@@ -48,6 +49,7 @@ class SandboxService:
         self.goldens = goldens
         self.policy = policy or WakePolicy()
         self.holds = HoldCounter()
+        self.metrics = Metrics()
         self._controllers: dict[str, SandboxController] = {}
         self._tasks: set[asyncio.Task] = set()
         self._golden_cache: dict[str, Golden] = {str(g.dir): g for g in goldens.values()}
@@ -244,12 +246,13 @@ class SandboxService:
         if ctl is None:
             machine = Machine(self.plan(rec), self.backend)
             ctl = SandboxController(rec, machine, self.registry, self.policy, self.holds,
-                                    self.spawn)
+                                    self.spawn, self.metrics)
             self._controllers[rec.id] = ctl
         return ctl
 
     def adopt_controller(self, rec: SandboxRecord, machine: Machine) -> SandboxController:
-        ctl = SandboxController(rec, machine, self.registry, self.policy, self.holds, self.spawn)
+        ctl = SandboxController(rec, machine, self.registry, self.policy, self.holds, self.spawn,
+                                self.metrics)
         self._controllers[rec.id] = ctl
         return ctl
 

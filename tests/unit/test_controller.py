@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections import Counter
 import time
 
 import pytest
@@ -105,6 +106,10 @@ async def test_200_concurrent_requests_one_restore(registry):
     assert all(w.woke for w in results) and ctl.state is State.RUNNING
     assert registry.get("sb1").restore_count == 1
     assert ctl.holds.held == 0 and ctl.entering == 0 and ctl.active == 0
+    assert ctl.metrics.events["restore"] == 1 and ctl.metrics.restore_seconds.n == 1
+    text = ctl.metrics.render(Counter(running=1), held=0)
+    assert 'agentbox_events_total{event="restore"} 1' in text
+    assert "agentbox_restore_seconds_count 1" in text
 
 
 async def test_first_client_cancelling_does_not_cancel_restore(registry):
