@@ -50,7 +50,10 @@ class ClientConfig:
     @classmethod
     def resolve(cls, api_key: str | None = None, base_url: str | None = None,
                 timeout: float | None = None) -> ClientConfig:
-        """Arguments first, then ``AGENTBOX_API_KEY`` / ``AGENTBOX_URL``, then defaults."""
+        """Arguments first, then ``AGENTBOX_API_KEY`` / ``AGENTBOX_URL``, then defaults.
+        ``...`` counts as not given, so examples written ``AgentBox(api_key=...)`` run."""
+        api_key = None if api_key is Ellipsis else api_key
+        base_url = None if base_url is Ellipsis else base_url
         key = api_key or os.environ.get("AGENTBOX_API_KEY")
         if not key:
             raise ConfigurationError("no API key: pass api_key=... or set AGENTBOX_API_KEY")

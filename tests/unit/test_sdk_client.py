@@ -142,6 +142,8 @@ def test_config_from_environment(monkeypatch, srv):
         assert box.config.base_url == srv.url
         box.create()
     assert srv.seen("POST")[-1].headers["Authorization"] == "Bearer env-key"
+    with AgentBox(api_key=...) as box:  # the seed example's placeholder means "from env"
+        assert box.config.api_key == "env-key"
     monkeypatch.delenv("AGENTBOX_API_KEY")
     with pytest.raises(exceptions.ConfigurationError):
         AgentBox()
