@@ -4,7 +4,8 @@
 Wire format: binary frames carry raw bytes both ways (our stdin in, the PTY's
 output out); text frames carry JSON control messages: ``{"type": "resize",
 "cols", "rows"}`` from us (at start and on SIGWINCH), ``{"type": "exit",
-"exit_code"}`` from the server before it closes. When stdin is a terminal it is
+"exit_code"}`` from the server before it closes. The initial size also goes in the
+query (``?cols=&rows=``). When stdin is a terminal it is
 put in raw mode (every key goes to the sandbox, ^C included) and restored on
 the way out, whatever happens.
 """
@@ -64,9 +65,11 @@ async def run_terminal(url: str, api_key: str, stdin_fd: int | None = None,
     stdin_fd = sys.stdin.fileno() if stdin_fd is None else stdin_fd
     out = stdout if stdout is not None else sys.stdout.buffer
     headers = {"Authorization": f"Bearer {api_key}"}
+    cols, rows = terminal_size(stdin_fd)
     async with aiohttp.ClientSession() as session:
         try:
-            ws = await session.ws_connect(url, headers=headers, max_msg_size=0, heartbeat=30)
+            ws = await session.ws_connect(url, headers=headers, max_msg_size=0, heartbeat=30,
+                                          params={"cols": str(cols), "rows": str(rows)})
         except aiohttp.WSServerHandshakeError as exc:
             raise from_response(exc.status, {"error": {
                 "code": _code_for(exc.status), "message": f"terminal: {exc.message}"}}) from exc

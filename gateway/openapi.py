@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
@@ -131,9 +131,33 @@ def _gateway_schemas() -> dict[str, Any]:
         "TemplateList": _list_of("templates", "Template"),
         "Health": _obj({"status": _STR, "vmm": _STR, "accel": _STR, "accel_reason": _STR,
                         "templates": {"type": "array", "items": _STR}}, ("status",)),
-        "Info": _obj({"version": _STR, "preview_url_template": {
-            "type": "string", "description": "URL of a sandbox port, with {port} and {id}"}},
-            additionalProperties=True),
+        "Info": _obj({"version": _STR, "preview_domain": _STR, "session_domain": _STR,
+                      "preview_url_template": {"type": "string", "description":
+                                               "URL of a sandbox port, with {port} and {id}"},
+                      "session_url_template": {"type": "string",
+                                               "description": "URL of a session, with {name}"}},
+                     ("version", "preview_url_template"), additionalProperties=True),
+        "Preview": _obj({"preview_token": _STR, "preview_url_template": _STR,
+                         "public_ports": {"type": "array", "items": _INT,
+                                          "description": "ports served without a token"}},
+                        ("preview_token", "public_ports", "preview_url_template")),
+        "UpdatePreviewRequest": _obj({"public_ports": {"type": "array", "items": _INT}},
+                                     ("public_ports",), additionalProperties=False),
+        "SessionSpec": _obj({
+            "template": _STR, "port": {"type": "integer", "default": 8000, "minimum": 1,
+                                       "maximum": 65535, "description": "the app's port"},
+            "idle_timeout": _IDLE, "metadata": _METADATA,
+            "start": {"type": "string", "description": "shell command started once, in the "
+                                                       "background, when the sandbox is made"}},
+            additionalProperties=False),
+        "Session": _obj({
+            "name": _STR, "sandbox_id": _NSTR, "state": _STR, "port": _INT, "start": _NSTR,
+            "start_state": {"type": "string", "enum": ["none", "starting", "started",
+                                                       "failed"]},
+            "start_pid": {"type": ["integer", "null"]}, "start_error": _NSTR,
+            "metadata": _METADATA, "created_at": _NUM, "url": _STR, "proxy_path": _STR,
+            "preview_token": _NSTR}, ("name", "state", "port", "url")),
+        "SessionList": _list_of("sessions", "Session"),
         "CreateKeyRequest": _obj({"name": _STR, "admin": _BOOL}, ("name",)),
         "CreatedKey": _obj({"id": _STR, "name": _STR, "admin": _BOOL, "key": {
             "type": "string", "description": "the secret, shown only once"}},
@@ -171,8 +195,10 @@ _ERRORS = {
     401: ("Unauthorized", "missing_api_key or invalid_api_key"),
     403: ("Forbidden", "the key may not do this (forbidden)"),
     404: ("NotFound", "sandbox_not_found, template_not_found, not_found (file), "
-                      "context_not_found, process_not_found"),
-    409: ("Conflict", "wrong state: not_running, conflict, stdin_closed, context_exists"),
+                      "context_not_found, process_not_found, session_not_found, "
+                      "session_not_ready"),
+    409: ("Conflict", "wrong state: not_running, conflict, stdin_closed, context_exists, "
+                      "session_name_taken"),
     413: ("PayloadTooLarge", "body over the server's limit (payload_too_large)"),
     429: ("TooMany", "too_many_contexts, too_many_processes"),
     502: ("SandboxFailed", "the VM or guest agent failed: vm_start_failed, vm_gone, "
@@ -200,6 +226,11 @@ class Op:
 
 
 _SB, _PID = "/v1/sandboxes/{id}", "/v1/sandboxes/{id}/commands/{pid}"
+_ANY_METHODS = ("GET", "PUT", "POST", "DELETE", "PATCH", "HEAD", "OPTIONS")
+# Registered routes that are not API endpoints: the preview/session host proxy answers any
+# path on ``{port}-{id}.<preview_domain>`` and ``{name}.<session_domain>`` hosts (a sub-app
+# matched by Host, which OpenAPI cannot express).
+NOT_API_ROUTES = frozenset({("*", "/{tail}")})
 _NDJSON_NOTE = ("Streams NDJSON; a stream that ends without its final line was cut short.")
 
 OPS: tuple[Op, ...] = (
@@ -220,8 +251,32 @@ OPS: tuple[Op, ...] = (
        returns="Sandbox", errors=_SANDBOX_ERRORS),
     Op("POST", _SB + "/resume", "Resume a suspended sandbox (any request also wakes it)",
        "sandboxes", returns="Sandbox", errors=_SANDBOX_ERRORS),
+    Op("GET", "/metrics", "Prometheus metrics (admin key)", "meta", returns="text",
+       errors=(403,)),
+    Op("GET", _SB + "/preview", "A sandbox's preview access (token, public ports)", "preview",
+       returns="Preview", errors=(404,)),
+    Op("PATCH", _SB + "/preview", "Set the ports served without a preview token", "preview",
+       body="UpdatePreviewRequest", returns="Preview", errors=(400, 404)),
+    Op("POST", _SB + "/preview-token", "Rotate the preview token", "preview",
+       returns="Preview", errors=(404,)),
+    Op("PUT", "/v1/sessions/{name}", "Create or get a named long-lived session (idempotent)",
+       "sessions", 201, "SessionSpec", "Session", (400, 409) + _SANDBOX_ERRORS,
+       description="201 when created, 200 when it already existed."),
+    Op("GET", "/v1/sessions", "List sessions", "sessions", returns="SessionList"),
+    Op("GET", "/v1/sessions/{name}", "Get a session", "sessions", returns="Session",
+       errors=(404,)),
+    Op("DELETE", "/v1/sessions/{name}", "Delete a session and its sandbox", "sessions", 204,
+       errors=(404,)),
+    Op("*", "/v1/sessions/{name}/proxy", "The session's app (proxied; wakes it)", "sessions",
+       returns="any", errors=(404,) + _SANDBOX_ERRORS),
+    Op("*", "/v1/sessions/{name}/proxy/{path}", "The session's app at a path (proxied)",
+       "sessions", returns="any", errors=(404,) + _SANDBOX_ERRORS),
     Op("GET", _SB + "/terminal", "Interactive terminal (WebSocket)", "sandboxes", 101,
-       errors=_SANDBOX_ERRORS, description=(
+       errors=(400,) + _SANDBOX_ERRORS, query=(
+           ("cols", "initial width (default 80)", {"type": "integer", "minimum": 1}),
+           ("rows", "initial height (default 24)", {"type": "integer", "minimum": 1}),
+           ("cmd", "program to run instead of the login shell", {"type": "string"})),
+       description=(
            "Upgrade to a WebSocket. Binary frames carry raw terminal bytes both ways. Text "
            "frames are JSON: {\"type\":\"resize\",\"cols\",\"rows\"} from the client, "
            "{\"type\":\"exit\",\"exit_code\"} from the server before it closes.")),
@@ -277,6 +332,10 @@ def _content(kind: str) -> dict[str, Any]:
             content[BYTES] = {"schema": {"type": "string", "contentMediaType": BYTES}}
         elif part == "object":
             content[JSON] = {"schema": {"type": "object"}}
+        elif part == "text":
+            content["text/plain"] = {"schema": {"type": "string"}}
+        elif part == "any":
+            content["*/*"] = {"schema": {}}
         elif part.startswith("ndjson:"):
             content[NDJSON] = {"schema": _ref(part[len("ndjson:"):])}
         else:
@@ -315,8 +374,8 @@ def _operation(op: Op) -> dict[str, Any]:
 
 
 def _operation_id(op: Op) -> str:
-    words = [w.strip("{}") for w in op.path.split("/")[2:] if w]
-    return "_".join([op.method.lower(), *words]).replace(".", "_") or "healthz"
+    words = [w.strip("{}") for w in op.path.split("/") if w and w != "v1"]
+    return "_".join([op.method.lower(), *words]).replace(".", "_").replace("-", "_")
 
 
 @functools.cache
@@ -324,14 +383,19 @@ def build_document(version: str | None = None) -> dict[str, Any]:
     """The whole OpenAPI 3.1 document (cached; treat it as read-only)."""
     paths: dict[str, dict[str, Any]] = {}
     for op in OPS:
-        paths.setdefault(op.path, {})[op.method.lower()] = _operation(op)
+        for method in (_ANY_METHODS if op.method == "*" else (op.method,)):
+            paths.setdefault(op.path, {})[method.lower()] = _operation(replace(op, method=method))
     responses = {name: {"description": desc, "content": {JSON: {"schema": _ref("Error")}}}
                  for name, desc in _ERRORS.values()}
     return {
         "openapi": "3.1.0",
         "info": {"title": "AgentBox API", "version": version or _version(),
-                 "description": "Self-hosted microVM sandboxes for AI agents. Errors are "
-                                "{\"error\": {\"code\", \"message\"}} with a stable code."},
+                 "description": (
+                     "Self-hosted microVM sandboxes for AI agents. Errors are "
+                     "{\"error\": {\"code\", \"message\"}} with a stable code. Besides these "
+                     "paths, the gateway proxies every request to a host "
+                     "{port}-{id}.<preview_domain> to that port of the sandbox, and to "
+                     "{name}.<session_domain> to a session's app (see GET /v1/info).")},
         "security": [{"bearerAuth": []}],
         "paths": paths,
         "components": {
@@ -350,6 +414,7 @@ def _version() -> str:
 
 
 def documented_routes() -> set[tuple[str, str]]:
+    """(method, path) as aiohttp registers them ("*" = any method)."""
     return {(op.method, op.path) for op in OPS}
 
 

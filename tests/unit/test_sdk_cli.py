@@ -164,6 +164,7 @@ def test_lifecycle_templates_url(srv, capsys):
 def terminal_app(seen: list) -> web.Application:
     async def terminal(request: web.Request) -> web.WebSocketResponse:
         seen.append(request.headers.get("Authorization"))
+        seen.append(dict(request.query))
         ws = web.WebSocketResponse()
         await ws.prepare(request)
         await ws.send_bytes(b"$ ")
@@ -201,9 +202,9 @@ async def test_terminal_relays_bytes_resize_and_exit(aiohttp_server):
     finally:
         os.close(read_fd)
     assert code == 3
-    assert seen[0] == f"Bearer {KEY}"
-    assert seen[1] == {"type": "resize", "cols": 80, "rows": 24}
-    assert seen[2:] == [b"ls\n", b"\x04"]
+    assert seen[:2] == [f"Bearer {KEY}", {"cols": "80", "rows": "24"}]
+    assert seen[2] == {"type": "resize", "cols": 80, "rows": 24}
+    assert seen[3:] == [b"ls\n", b"\x04"]
     assert out.getvalue() == b"$ echo:ls\necho:\x04"
 
 
