@@ -15,7 +15,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from gateway import api, api_interp
+from gateway import api, api_interp, preview
 from gateway.config import Config
 from gateway.middleware import (
     REGISTRY_KEY,
@@ -73,13 +73,15 @@ async def load_goldens(config: Config) -> tuple[vm_backend.Backend | None, dict[
 
 def build_app(config: Config) -> web.Application:
     app = web.Application(
-        middlewares=[error_middleware, api_error_middleware, auth_middleware],
+        middlewares=[error_middleware, api_error_middleware, preview.preview_middleware,
+                     auth_middleware],
         client_max_size=config.server.max_json_bytes)
     app[CONFIG_KEY] = config
     app[api.MAX_UPLOAD_KEY] = config.server.max_upload_bytes
     app.add_routes(api.routes)
     app.add_routes(api_interp.routes)
     app.cleanup_ctx.append(_lifecycle)
+    preview.setup(app, config)  # preview/session hosts, /v1/sessions, /v1/info (after _lifecycle)
     app.on_response_prepare.append(_wake_header)
     return app
 
@@ -125,4 +127,4 @@ def serve(config: Config) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     web.run_app(build_app(config), host=config.server.host, port=config.server.port,
                 loop=uvloop.new_event_loop(), print=None, access_log=None,
-                handler_cancellation=True)
+                handler_cancellation=True, auto_decompress=False)  # the proxy passes bodies as-is

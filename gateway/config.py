@@ -7,6 +7,7 @@ flags (``--listen``, ``--data-dir``) override the file.
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,9 @@ from vmctl.backend import VMConfig
 from vmctl.network import NetworkConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "agentbox.toml"
+
+
+_DOMAIN = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)(\.(?!-)[a-z0-9-]{1,63}(?<!-))*")
 
 
 class ConfigError(ValueError):
@@ -29,6 +33,14 @@ class ServerConfig:
     images_dir: Path = Path("/var/lib/agentbox/images")
     max_upload_bytes: int = 1 << 30
     max_json_bytes: int = 4 << 20
+    # Preview and session URLs (gateway/preview.py, docs/preview.md).
+    preview_domain: str = "localhost"  # {port}-{sandbox_id}.{preview_domain}
+    session_domain: str = "sessions.localhost"  # {name}.{session_domain}
+    public_scheme: str = "http"  # scheme of the URLs we hand out (https behind a TLS proxy)
+    public_port: int = 0  # port in the URLs we hand out; 0 = the listen port
+    preview_rewrite_host: bool = False  # send Host: localhost:{port} upstream (dev servers)
+    proxy_connect_timeout: float = 5.0
+    proxy_read_timeout: float = 300.0  # seconds between bytes from a guest app (then 504)
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")
@@ -38,6 +50,14 @@ class ServerConfig:
         object.__setattr__(self, "images_dir", Path(self.images_dir))
         if self.max_upload_bytes <= 0 or self.max_json_bytes <= 0:
             raise ValueError("size limits must be positive")
+        for name in ("preview_domain", "session_domain"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not _DOMAIN.fullmatch(value):
+                raise ValueError(f"{name} must be a lowercase DNS name, not {value!r}")
+        if self.public_scheme not in ("http", "https") or not 0 <= self.public_port < 65536:
+            raise ValueError("public_scheme must be http or https; public_port 0-65535")
+        if self.proxy_connect_timeout <= 0 or self.proxy_read_timeout <= 0:
+            raise ValueError("proxy timeouts must be positive")
 
     @property
     def host(self) -> str:

@@ -40,6 +40,14 @@ CREATE TABLE IF NOT EXISTS transitions (
   seq INTEGER PRIMARY KEY AUTOINCREMENT, sandbox_id TEXT NOT NULL, from_state TEXT,
   to_state TEXT NOT NULL, event TEXT NOT NULL, cause TEXT NOT NULL DEFAULT '', at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS transitions_sandbox ON transitions(sandbox_id, seq);
+CREATE TABLE IF NOT EXISTS sandbox_preview (
+  sandbox_id TEXT PRIMARY KEY, token TEXT NOT NULL, public_ports TEXT NOT NULL DEFAULT '[]',
+  updated_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS sessions (
+  name TEXT PRIMARY KEY, tenant TEXT NOT NULL, sandbox_id TEXT, port INTEGER NOT NULL,
+  start TEXT, start_state TEXT NOT NULL DEFAULT 'none', start_pid INTEGER, start_error TEXT,
+  metadata TEXT NOT NULL DEFAULT '{}', created_at REAL NOT NULL, updated_at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS sessions_tenant ON sessions(tenant, name);
 """
 
 
@@ -174,6 +182,46 @@ class Registry:
                                 (sandbox_id,))
         return [dict(r) for r in rows]
 
+    # -- preview access (gateway/preview_auth.py) and sessions (gateway/sessions.py) --
+
+    def preview_access(self, sandbox_id: str) -> tuple[str, list[int]] | None:
+        row = self._db.execute("SELECT token, public_ports FROM sandbox_preview "
+                               "WHERE sandbox_id = ?", (sandbox_id,)).fetchone()
+        return (row["token"], json.loads(row["public_ports"])) if row else None
+
+    def set_preview_access(self, sandbox_id: str, token: str, public_ports: list[int]) -> None:
+        self._db.execute("INSERT OR REPLACE INTO sandbox_preview (sandbox_id, token, "
+                         "public_ports, updated_at) VALUES (?, ?, ?, ?)",
+                         (sandbox_id, token, json.dumps(public_ports), time.time()))
+
+    def insert_session(self, row: dict[str, Any]) -> bool:
+        """Reserve a session name; False if it is taken (names are global: host routing)."""
+        row = {k: _encode(v) for k, v in row.items()}
+        try:
+            self._db.execute(f"INSERT INTO sessions ({', '.join(row)}) VALUES "
+                             f"({', '.join('?' for _ in row)})", list(row.values()))
+        except sqlite3.IntegrityError:
+            return False
+        return True
+
+    def get_session(self, name: str) -> dict[str, Any] | None:
+        row = self._db.execute("SELECT * FROM sessions WHERE name = ?", (name,)).fetchone()
+        return _session_row(row) if row else None
+
+    def list_sessions(self, tenant: str) -> list[dict[str, Any]]:
+        rows = self._db.execute("SELECT * FROM sessions WHERE tenant = ? ORDER BY name",
+                                (tenant,))
+        return [_session_row(r) for r in rows]
+
+    def update_session(self, name: str, **updates: Any) -> None:
+        updates["updated_at"] = time.time()
+        row = {k: _encode(v) for k, v in updates.items()}
+        self._db.execute(f"UPDATE sessions SET {', '.join(f'{k} = ?' for k in row)} "
+                         "WHERE name = ?", [*row.values(), name])
+
+    def delete_session(self, name: str) -> None:
+        self._db.execute("DELETE FROM sessions WHERE name = ?", (name,))
+
     # -- internals ----------------------------------------------------------------
 
     def _update(self, sandbox_id: str, **updates: Any) -> None:
@@ -220,6 +268,10 @@ def _encode(value: Any) -> Any:
 def _to_row(rec: SandboxRecord) -> dict[str, Any]:
     return {k: _encode(v) for k, v in dataclasses.asdict(rec).items()
             if not (k == "vmm" and v is None)} | {"state": rec.state.value}
+
+
+def _session_row(row: sqlite3.Row) -> dict[str, Any]:
+    return dict(row) | {"metadata": json.loads(row["metadata"] or "{}")}
 
 
 def _from_row(row: sqlite3.Row) -> SandboxRecord:

@@ -1,0 +1,154 @@
+"""Who may open a preview or session URL: per-sandbox tokens, host cookies, public ports.
+
+Theory of operation
+-------------------
+Preview URLs are private by default. Each sandbox has one random access token
+(stored in the registry so its owner can read it back; rotating it revokes every
+link and cookie made from the old one). A request to a private port is let
+through when it carries, in this order of preference:
+
+1. ``X-AgentBox-Token: TOKEN`` (programs),
+2. the cookie ``agentbox_preview`` set for that host (browsers, iframes, WebSockets),
+3. ``?token=TOKEN`` once: a GET/HEAD is redirected to the same URL without the
+   token while the cookie is set; other methods and WebSocket handshakes (which
+   cannot follow a redirect) go through with the token removed from the URL.
+
+The cookie is host-only (``8000-<id>.localhost``), ``HttpOnly``, ``SameSite=Lax``,
+``Path=/``, and its value is an HMAC of the host under the token, so a cookie
+leaked from one port's host opens nothing else, and a rotation voids it. API
+keys are never accepted here; an ``Authorization`` header belongs to the app.
+A ``?token=`` that is not ours (Jupyter uses the same name) is left for the app.
+Ports the owner marks public need nothing. Our header and cookie never reach
+the guest app.
+
+``decide`` is pure; ``AccessStore`` caches the registry rows (one daemon owns them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from gateway.errors import BadRequest
+from gateway.registry import Registry
+
+TOKEN_HEADER = "X-AgentBox-Token"
+TOKEN_PARAM = "token"
+COOKIE = "agentbox_preview"
+MAX_PUBLIC_PORTS = 64
+
+
+@dataclass(frozen=True)
+class Access:
+    token: str
+    public_ports: frozenset[int]
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What a request offers (read by the transport; compared here)."""
+
+    header: str | None = None
+    cookie: str | None = None
+    query: str | None = None
+
+
+@dataclass(frozen=True)
+class Allow:
+    strip_query_token: bool = False  # the URL's ?token= was ours: the app must not see it
+    set_cookie: str | None = None  # a Set-Cookie value to add to the response
+
+
+@dataclass(frozen=True)
+class Redirect:
+    set_cookie: str
+
+
+@dataclass(frozen=True)
+class Deny:
+    code: str
+    message: str
+
+
+Decision = Allow | Redirect | Deny
+
+
+def new_token() -> str:
+    return "pv_" + secrets.token_urlsafe(24)
+
+
+def cookie_value(token: str, hostname: str) -> str:
+    return hmac.new(token.encode(), hostname.lower().encode(), hashlib.sha256).hexdigest()
+
+
+def set_cookie_header(token: str, hostname: str, secure: bool) -> str:
+    flags = "; Secure" if secure else ""
+    return f"{COOKIE}={cookie_value(token, hostname)}; Path=/; HttpOnly; SameSite=Lax{flags}"
+
+
+def _same(a: str | None, b: str) -> bool:
+    return a is not None and hmac.compare_digest(a.encode(), b.encode())
+
+
+def decide(access: Access, port: int, hostname: str, creds: Credentials, *,
+           redirectable: bool, secure: bool) -> Decision:
+    """May this request through? ``redirectable``: a GET/HEAD that is not a WebSocket."""
+    query_ok = _same(creds.query, access.token)
+    if port in access.public_ports:
+        return Allow(strip_query_token=query_ok)
+    if _same(creds.header, access.token) or _same(creds.cookie,
+                                                   cookie_value(access.token, hostname)):
+        return Allow(strip_query_token=query_ok)
+    if query_ok:
+        cookie = set_cookie_header(access.token, hostname, secure)
+        return Redirect(cookie) if redirectable else Allow(True, cookie)
+    if creds.header or creds.query or creds.cookie:
+        return Deny("invalid_preview_token", "the preview token is not valid for this sandbox "
+                    "(it may have been rotated)")
+    return Deny("preview_token_required",
+                f"this preview is private: send the sandbox's preview token as the "
+                f"{TOKEN_HEADER} header or open the URL once with ?{TOKEN_PARAM}=TOKEN")
+
+
+def validate_public_ports(value: Any) -> list[int]:
+    if not isinstance(value, list) or len(value) > MAX_PUBLIC_PORTS or not all(
+            isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in value):
+        raise BadRequest(f"'public_ports' must be a list of up to {MAX_PUBLIC_PORTS} port "
+                         "numbers (1-65535)")
+    return sorted(set(value))
+
+
+class AccessStore:
+    """Tokens and public ports per sandbox, minted on first use."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self._cache: dict[str, Access] = {}
+
+    def get(self, sandbox_id: str) -> Access:
+        access = self._cache.get(sandbox_id)
+        if access is None:
+            row = self.registry.preview_access(sandbox_id)
+            if row is None:
+                return self._save(sandbox_id, new_token(), [])
+            access = self._cache[sandbox_id] = Access(row[0], frozenset(row[1]))
+        return access
+
+    def rotate(self, sandbox_id: str) -> Access:
+        return self._save(sandbox_id, new_token(), sorted(self.get(sandbox_id).public_ports))
+
+    def set_public_ports(self, sandbox_id: str, ports: list[int]) -> Access:
+        return self._save(sandbox_id, self.get(sandbox_id).token, ports)
+
+    def _save(self, sandbox_id: str, token: str, ports: list[int]) -> Access:
+        self.registry.set_preview_access(sandbox_id, token, ports)
+        access = self._cache[sandbox_id] = Access(token, frozenset(ports))
+        return access
+
+
+ACCESS_KEY = web.AppKey("preview_access", AccessStore)
