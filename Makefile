@@ -44,9 +44,16 @@ test-e2e: images
 kernel-firecracker: setup
 	bash images/firecracker/build_kernel.sh
 
-# The real end-to-end suite under a real `firecracker` binary (skips where it or KVM is missing).
+# The real end-to-end suite under a real `firecracker` binary (skips where it or KVM is missing):
+# 1) the Firecracker tests (kernel under QEMU microvm, driver with real firecracker, the daemon
+#    API with vmm = "firecracker"); 2) every daemon-backed e2e suite against a Firecracker daemon.
+FC_E2E_CONFIG := tests/e2e/agentbox-firecracker-test.toml
 test-firecracker: images
 	$(BIN)/python -m pytest tests/e2e -k firecracker -rs $(PYTEST_ARGS)
+	@reason="$$($(BIN)/python -m tests.e2e.firecracker_env $(FC_E2E_CONFIG))" || exit 1; \
+	if [ -n "$$reason" ]; then echo "SKIPPED: the e2e suite under Firecracker: $$reason"; \
+	else AGENTBOX_E2E_CONFIG=$(FC_E2E_CONFIG) $(BIN)/python -m pytest tests/e2e \
+	    -k "not firecracker" --ignore=tests/e2e/test_image_boot.py -rs $(PYTEST_ARGS); fi
 
 bench: images
 	$(BIN)/python bench/lifecycle.py

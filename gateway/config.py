@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vmctl.backend import VMConfig
+from vmctl.backend import FirecrackerConfig, VMConfig
 from vmctl.network import NetworkConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "agentbox.toml"
@@ -111,7 +111,7 @@ def load(path: Path | None = None, **overrides: Any) -> Config:
         raw = tomllib.loads(path.read_text()) if path.exists() else {}
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
-    unknown = set(raw) - {"server", "sandbox", "vm", "network"}
+    unknown = set(raw) - {"server", "sandbox", "vm", "network", "firecracker"}
     if unknown:
         raise ConfigError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}")
     server_raw = dict(raw.get("server", {}))
@@ -119,6 +119,7 @@ def load(path: Path | None = None, **overrides: Any) -> Config:
     if "data_dir" in overrides and overrides["data_dir"] and "images_dir" not in server_raw:
         server_raw["images_dir"] = Path(overrides["data_dir"]) / "images"
     net = _section(NetworkConfig, raw.get("network", {}), "network")
-    vm = _section(VMConfig, {**raw.get("vm", {}), "network": net}, "vm")
+    fc = _section(FirecrackerConfig, raw.get("firecracker", {}), "firecracker")
+    vm = _section(VMConfig, {**raw.get("vm", {}), "network": net, "firecracker": fc}, "vm")
     return Config(server=_section(ServerConfig, server_raw, "server"),
                   sandbox=_section(SandboxConfig, raw.get("sandbox", {}), "sandbox"), vm=vm)

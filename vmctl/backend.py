@@ -1,9 +1,20 @@
 """Which VMM and accelerator this host uses, decided once at start-up.
 
-``vmm = "auto"`` picks Firecracker only when its binary is on PATH and a real
-KVM works; otherwise QEMU (KVM where the boot probe works, TCG otherwise).
-The reason for every choice is logged and exposed, because "why is this slow"
-is the first question an operator asks.
+``vmm = "auto"`` picks Firecracker only when its binary (the pinned release) is
+on PATH, a real KVM works and its guest kernel is built; otherwise QEMU (KVM
+where the boot probe works, TCG otherwise). The reason for every choice is
+logged and exposed, because "why is this slow" is the first question an
+operator asks.
+
+The Backend is also where the VMM-specific choices outside the driver are made,
+so the rest of vmctl (golden snapshots, Machine) stays VMM-agnostic:
+
+- ``new_driver()``: the driver, configured (Firecracker binary, jailer);
+- ``boot_files(image)``: kernel, initrd and command line a template boots with
+  (QEMU: the template's Debian bzImage + initramfs; Firecracker: the vmlinux
+  from images/firecracker, no initrd, ``init=`` the agent's init);
+- ``layout``: where a VM's disk and memory live and what a suspend keeps
+  (``vmctl.disks.Layout``).
 """
 
 from __future__ import annotations
@@ -11,17 +22,55 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from vmctl import accel as accel_probe
+from vmctl import disks
 from vmctl.driver import Driver
 from vmctl.drivers.qemu import QemuDriver
 from vmctl.network import NetworkConfig
 from vmctl.spec import Accel
 
+if TYPE_CHECKING:
+    from vmctl.drivers.firecracker import JailerConfig
+
 log = logging.getLogger(__name__)
 
 VMM_CHOICES = ("auto", "qemu", "firecracker")
 ACCEL_CHOICES = ("auto", "kvm", "tcg")
+DEFAULT_FIRECRACKER_KERNEL = Path("/var/lib/agentbox/images/firecracker/vmlinux")
+# Firecracker boots the template's ext4 root directly (no initramfs to find and
+# switch to it), so the kernel must start the image's init itself.
+FIRECRACKER_INIT = "init=/sbin/agentbox-init"
+
+
+@dataclass(frozen=True)
+class FirecrackerConfig:
+    """``[firecracker]``: how to run the ``firecracker`` binary (see docs/bare-metal.md)."""
+
+    binary: str = "firecracker"  # a name on PATH or an absolute path
+    jailer: bool = False  # run each VMM through `jailer` (chroot, uid/gid, cgroup v2)
+    jailer_binary: str = "jailer"
+    uid: int | None = None  # required with jailer = true
+    gid: int | None = None
+    chroot_base: Path = Path("/srv/jailer")  # same filesystem as the data dir
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "chroot_base", Path(self.chroot_base))
+        if not self.binary:
+            raise ValueError("firecracker.binary must not be empty")
+        if self.jailer and (self.uid is None or self.gid is None):
+            raise ValueError("firecracker.uid and firecracker.gid are required with jailer = true")
+        if self.jailer:
+            self.jailer_config()  # JailerConfig's own checks, at start-up
+
+    def jailer_config(self) -> JailerConfig | None:
+        if not self.jailer:
+            return None
+        from vmctl.drivers.firecracker import JailerConfig
+        assert self.uid is not None and self.gid is not None
+        return JailerConfig(uid=self.uid, gid=self.gid, binary=self.jailer_binary,
+                            chroot_base=self.chroot_base)
 
 
 @dataclass(frozen=True)
@@ -31,13 +80,25 @@ class VMConfig:
     vcpus: int = 1
     ready_timeout: float = 60.0  # cold boot to agent-ready (TCG is slow)
     restore_timeout: float = 30.0  # restore to agent-ready
+    firecracker_kernel: Path = DEFAULT_FIRECRACKER_KERNEL  # built by `make kernel-firecracker`
     network: NetworkConfig = field(default_factory=NetworkConfig)
+    firecracker: FirecrackerConfig = field(default_factory=FirecrackerConfig)
 
     def __post_init__(self) -> None:
         if self.vmm not in VMM_CHOICES:
             raise ValueError(f"vm.vmm must be one of {VMM_CHOICES}, not {self.vmm!r}")
         if self.accel not in ACCEL_CHOICES:
             raise ValueError(f"vm.accel must be one of {ACCEL_CHOICES}, not {self.accel!r}")
+        object.__setattr__(self, "firecracker_kernel", Path(self.firecracker_kernel))
+
+
+@dataclass(frozen=True)
+class BootFiles:
+    """What a fresh VM of one template boots (golden build and cold boot)."""
+
+    kernel: Path
+    initrd: Path | None
+    cmdline: str
 
 
 @dataclass(frozen=True)
@@ -50,7 +111,8 @@ class Backend:
     def new_driver(self) -> Driver:
         if self.driver_name == "firecracker":
             from vmctl.drivers.firecracker import FirecrackerDriver
-            return FirecrackerDriver()
+            fc = self.config.firecracker
+            return FirecrackerDriver(binary=fc.binary, jailer=fc.jailer_config())
         return QemuDriver()
 
     @property
@@ -58,12 +120,35 @@ class Backend:
         """Identifies snapshots this backend can restore (driver + accelerator)."""
         return f"{self.driver_name}-{self.accel.value}"
 
+    @property
+    def layout(self) -> disks.Layout:
+        if self.driver_name == "firecracker":
+            return disks.FirecrackerLayout()
+        return disks.QemuLayout()
+
+    def boot_files(self, image: Any) -> BootFiles:
+        """Kernel, initrd and command line for ``image`` (an images.catalog.TemplateImage)."""
+        if self.driver_name != "firecracker":
+            return BootFiles(image.kernel, image.initrd, image.cmdline)
+        cmdline = image.cmdline
+        if not any(arg.startswith("init=") for arg in cmdline.split()):
+            cmdline = f"{cmdline} {FIRECRACKER_INIT}"
+        # Resolved: the golden snapshot records the exact build (the path is a symlink
+        # that `make kernel-firecracker` moves), which cold boots of its sandboxes use.
+        return BootFiles(self.config.firecracker_kernel.resolve(), None, cmdline)
+
 
 async def select(config: VMConfig, kernel: Path) -> Backend:
     if config.vmm in ("auto", "firecracker"):
-        usable, why = _firecracker_usable()
+        usable, why = _firecracker_usable(config.firecracker.binary)
+        if usable and not config.firecracker_kernel.is_file():
+            usable, why = False, (f"Firecracker guest kernel {config.firecracker_kernel} "
+                                  "is not built (make kernel-firecracker)")
         if usable:
             log.info("VMM: firecracker (%s)", why)
+            if config.firecracker.jailer:
+                log.warning("VMM: firecracker runs jailed; see docs/bare-metal.md for what "
+                            "the daemon does not do for jailed VMMs yet")
             return Backend("firecracker", Accel.KVM, why, config)
         if config.vmm == "firecracker":
             raise RuntimeError(f"vm.vmm = 'firecracker' but Firecracker is not usable: {why}")
@@ -74,9 +159,9 @@ async def select(config: VMConfig, kernel: Path) -> Backend:
     return Backend("qemu", choice.accel, choice.reason, config)
 
 
-def _firecracker_usable() -> tuple[bool, str]:
+def _firecracker_usable(binary: str = "firecracker") -> tuple[bool, str]:
     try:
         from vmctl.drivers.firecracker import firecracker_usable
     except ImportError:
         return False, "firecracker driver not installed"
-    return firecracker_usable()
+    return firecracker_usable(binary)

@@ -4,10 +4,18 @@ new sandbox is a restore (tens of ms) instead of a boot (seconds).
 Layout under the template's image directory::
 
     golden-<driver>-<accel>-<mem>M/
-        disk.qcow2      overlay over the template's read-only rootfs (read-only from now on)
-        memory          guest RAM file (copied, sparse/reflinked, into each new sandbox)
+        disk.qcow2      QEMU: overlay over the template's read-only rootfs (read-only from now on)
+        disk            Firecracker: raw sparse/reflinked copy of the rootfs (read-only from now on)
+        memory          guest RAM (QEMU: copied, sparse/reflinked, into each new sandbox;
+                        Firecracker: mapped MAP_PRIVATE by every sandbox restored from it)
         vmstate         device state
         manifest.json   written last: a directory without it is discarded
+
+What the golden VM boots, and how its disk is made, is the backend's choice
+(``Backend.boot_files``, ``Backend.layout``): QEMU boots the template's Debian
+kernel and initramfs, Firecracker the vmlinux built from images/firecracker with
+no initrd. The manifest records the kernel, initrd and command line, so cold
+boots of its sandboxes use the same ones.
 
 It is built in a temporary directory and renamed into place, so a crash never
 leaves a half-built golden snapshot that looks complete.
@@ -27,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from guest.protocol import ExecRequest
-from vmctl import disks, network, store
+from vmctl import network, store
 from vmctl.agent_client import AgentClient
 from vmctl.backend import Backend
 from vmctl.errors import ImageError
@@ -61,7 +69,8 @@ async def ensure_golden(image, backend: Backend,  # type: ignore[no-untyped-def]
     if not (final / store.MANIFEST).is_file():
         await _build(image, backend, final, progress, build_slot)
     snap, _ = await asyncio.to_thread(store.load, final)
-    return Golden(image.name, final, snap, image.kernel, image.initrd, image.cmdline,
+    boot = backend.boot_files(image)
+    return Golden(image.name, final, snap, boot.kernel, boot.initrd, boot.cmdline,
                   image.mem_mib)
 
 
@@ -71,10 +80,11 @@ def load_golden_dir(directory: Path) -> Golden:
     snap, manifest = store.load(directory, verify=False)
     meta = manifest.meta
     image_dir = directory.parent
-    initrd = meta.get("initrd") or image_dir / "initrd.img"
+    # A recorded None means "boots without one" (Firecracker); absent means an old manifest.
+    initrd = meta["initrd"] if "initrd" in meta else image_dir / "initrd.img"
     return Golden(template=meta.get("template", image_dir.parent.name), dir=directory,
                   snapshot=snap, kernel=Path(meta.get("kernel") or image_dir / "vmlinuz"),
-                  initrd=Path(initrd) if Path(initrd).exists() else None,
+                  initrd=Path(initrd) if initrd and Path(initrd).exists() else None,
                   cmdline=meta.get("cmdline") or _image_cmdline(image_dir),
                   mem_mib=int(meta.get("mem_mib") or _mem_from_name(directory.name)))
 
@@ -98,12 +108,13 @@ async def _build(image, backend: Backend, final: Path,  # type: ignore[no-untype
     cfg = backend.config.network
     slot = network.slot_for(cfg.capacity - 1 - build_slot % BUILD_SLOTS, vm_id, cfg)
     driver = backend.new_driver()
+    boot, layout = backend.boot_files(image), backend.layout
     started = time.monotonic()
     try:
-        await disks.create_overlay(tmp / "disk.qcow2", image.rootfs, backing_format="raw")
+        disk = await layout.golden_disk(image.rootfs, tmp)
         await network.create(slot, cfg)
-        spec = VMSpec(vm_id=vm_id, workdir=tmp / "vm", kernel=image.kernel, initrd=image.initrd,
-                      cmdline=image.cmdline, disk=tmp / "disk.qcow2", mem_file=tmp / "memory",
+        spec = VMSpec(vm_id=vm_id, workdir=tmp / "vm", kernel=boot.kernel, initrd=boot.initrd,
+                      cmdline=boot.cmdline, disk=disk, mem_file=layout.memory(tmp),
                       mem_mib=image.mem_mib, vcpus=backend.config.vcpus, netns=slot.netns,
                       accel=backend.accel)
         progress(f"golden[{image.name}]: booting ({backend.key})")
@@ -122,8 +133,8 @@ async def _build(image, backend: Backend, final: Path,  # type: ignore[no-untype
             await agent.aclose()
         snap = await driver.snapshot(tmp)
         await driver.destroy()
-        meta = {"template": image.name, "kernel": str(image.kernel), "cmdline": image.cmdline,
-                "initrd": str(image.initrd) if image.initrd else None, "mem_mib": image.mem_mib}
+        meta = {"template": image.name, "kernel": str(boot.kernel), "cmdline": boot.cmdline,
+                "initrd": str(boot.initrd) if boot.initrd else None, "mem_mib": image.mem_mib}
         await asyncio.to_thread(store.write_manifest, tmp, snap, meta)
         shutil.rmtree(tmp / "vm", ignore_errors=True)
         os.replace(tmp, final)

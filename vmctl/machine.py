@@ -5,12 +5,16 @@ TAP), its disk layer, its memory file, the VMM (through a driver) and the
 agent client. It knows *how* to create, suspend, wake and destroy; *when* to do
 so is decided by the gateway's state machine, which calls these one at a time.
 
-Directory layout (``root``)::
+Directory layout (``root``); the disk and memory files are the backend's
+``Layout`` (vmctl/disks.py), the only place QEMU and Firecracker differ here::
 
-    disk.qcow2   copy-on-write layer over the template's golden disk
-    memory       guest RAM (the VMM maps it shared; it *is* the memory snapshot)
+    disk.qcow2   QEMU: copy-on-write layer over the template's golden disk
+    memory       QEMU: guest RAM (the VMM maps it shared; it *is* the memory snapshot)
+    disk         Firecracker: raw sparse/reflinked copy of the golden disk (no
+                 memory file: the VM maps its snapshot's memory file privately)
     vm/          control socket, console and VMM logs
-    snapshot/    vmstate + manifest.json while suspended
+    snapshot/    while suspended: vmstate + manifest.json (QEMU), or vmstate,
+                 memory and a hard link of disk + manifest.json (Firecracker)
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from guest.protocol import InitRequest
-from vmctl import disks, network, store
+from vmctl import network, store
 from vmctl.agent_client import AgentClient
 from vmctl.backend import Backend
 from vmctl.driver import Driver, kill_pid, pid_alive
@@ -70,9 +74,9 @@ class Machine:
 
     @property
     def spec(self) -> VMSpec:
-        p, g = self.plan, self.plan.golden
+        p, g, layout = self.plan, self.plan.golden, self.backend.layout
         return VMSpec(vm_id=p.vm_id, workdir=p.root / "vm", kernel=g.kernel, initrd=g.initrd,
-                      cmdline=g.cmdline, disk=p.root / "disk.qcow2", mem_file=p.root / "memory",
+                      cmdline=g.cmdline, disk=layout.disk(p.root), mem_file=layout.memory(p.root),
                       mem_mib=g.mem_mib, vcpus=self.backend.config.vcpus, netns=p.slot.netns,
                       accel=self.backend.accel)
 
@@ -87,24 +91,27 @@ class Machine:
         """Materialise the sandbox from the golden snapshot and wait for its agent."""
         root, golden = self.plan.root, self.plan.golden
         root.mkdir(parents=True, exist_ok=True)
-        await asyncio.gather(
-            disks.create_overlay(root / "disk.qcow2", golden.snapshot.disk),
-            disks.copy_sparse(golden.snapshot.memory, root / "memory"),
+        first, _ = await asyncio.gather(
+            self.backend.layout.materialise(golden.snapshot, root),
             network.create(self.plan.slot, self.backend.config.network))
-        await self._start_from(golden.snapshot)
+        await self._start_from(first)
 
     async def suspend(self) -> None:
-        """Snapshot (device state; RAM stays in ``memory``) and let the VMM exit.
+        """Snapshot (device state, plus memory and disk as the layout keeps them) and let
+        the VMM exit.
 
         The snapshot is complete (manifest written, directory renamed into place)
         *before* the VMM is stopped, so a crash in between leaves either a running
         VM or a complete snapshot of a paused one, never neither."""
         assert self.driver is not None
         await self._close_agent()
+        layout = self.backend.layout
         tmp = self.plan.root / "snapshot.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
+        layout.prepare_snapshot(self.plan.root, tmp)
         snap = await self.driver.snapshot(tmp)
-        await asyncio.to_thread(store.write_manifest, tmp, snap, hash_roles=("state",))
+        await asyncio.to_thread(store.write_manifest, tmp, snap, hash_roles=layout.suspend_hashed,
+                                stat_roles=layout.suspend_stat_checked)
         shutil.rmtree(self.snapshot_dir, ignore_errors=True)
         os.replace(tmp, self.snapshot_dir)
         await self.driver.destroy()
@@ -160,7 +167,7 @@ class Machine:
         await self._stop_seal()
         await self._close_agent()
         shutil.rmtree(self.snapshot_dir, ignore_errors=True)
-        (self.plan.root / "memory").unlink(missing_ok=True)
+        self.backend.layout.discard_memory(self.plan.root)
         driver = self.backend.new_driver()
         self.driver = driver
         try:

@@ -8,6 +8,13 @@ discarded by whoever finds it. It records the SHA256 and size of every file;
 Hashing a 256 MiB memory file takes a noticeable fraction of a second, so
 verified digests are cached per (path, inode, size, mtime): a file that has not
 been touched since it was last verified is not read again.
+
+What is verified, per file: golden snapshots hash every file. A sandbox's own
+(suspend) snapshot hashes the device state only (``hash_roles``); its memory
+and disk are recorded with their size, and roles in ``stat_roles`` also with
+their mtime, which ``load`` compares (a cheap check that nothing wrote to them
+since the suspend; it does not detect same-size, same-mtime corruption).
+Which roles get which check is the backend's choice (``vmctl.disks.Layout``).
 """
 
 from __future__ import annotations
@@ -97,8 +104,10 @@ def seal(directory: Path, role: str, cancel: threading.Event) -> None:
 
 
 def write_manifest(directory: Path, snap: SnapshotFiles, meta: dict[str, Any] | None = None,
-                   hash_roles: tuple[str, ...] = ("state", "memory", "disk")) -> Manifest:
-    """Fsync the snapshot's files, hash them and write the manifest atomically."""
+                   hash_roles: tuple[str, ...] = ("state", "memory", "disk"),
+                   stat_roles: tuple[str, ...] = ()) -> Manifest:
+    """Fsync the snapshot's files, hash them (``hash_roles``) or record their mtime
+    (``stat_roles``), and write the manifest atomically."""
     files: dict[str, dict[str, Any]] = {}
     for role in ("state", "memory", "disk"):
         path: Path = getattr(snap, role)
@@ -109,6 +118,8 @@ def write_manifest(directory: Path, snap: SnapshotFiles, meta: dict[str, Any] | 
         entry: dict[str, Any] = {"path": str(rel), "size": path.stat().st_size}
         if role in hash_roles:
             entry["sha256"] = sha256_file(path)
+        elif role in stat_roles:
+            entry["mtime_ns"] = path.stat().st_mtime_ns
         files[role] = entry
     manifest = Manifest(driver=snap.driver, accel=snap.accel.value, files=files,
                         meta={**snap.extra, **(meta or {})})
@@ -136,10 +147,20 @@ def load(directory: Path, verify: bool = True) -> tuple[SnapshotFiles, Manifest]
             raise SnapshotError(f"snapshot {role} file {path} is missing")
         if verify and "sha256" in entry and sha256_file(path) != entry["sha256"]:
             raise SnapshotError(f"snapshot {role} file {path} does not match its SHA256")
+        if verify and "mtime_ns" in entry:
+            _check_stat(role, path, entry)
         paths[role] = path
     snap = SnapshotFiles(state=paths["state"], memory=paths["memory"], disk=paths["disk"],
                          accel=Accel(manifest.accel), driver=manifest.driver, extra=manifest.meta)
     return snap, manifest
+
+
+def _check_stat(role: str, path: Path, entry: dict[str, Any]) -> None:
+    st = path.stat()
+    if (st.st_size, st.st_mtime_ns) != (entry.get("size"), entry["mtime_ns"]):
+        raise SnapshotError(f"snapshot {role} file {path} changed since the snapshot "
+                            f"(size/mtime {st.st_size}/{st.st_mtime_ns}, "
+                            f"recorded {entry.get('size')}/{entry['mtime_ns']})")
 
 
 def discard_incomplete(directory: Path) -> bool:

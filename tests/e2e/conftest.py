@@ -22,7 +22,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGES_DIR = Path(os.environ.get("AGENTBOX_IMAGES_DIR", "/var/lib/agentbox/images"))
-CONFIG = Path(__file__).with_name("agentbox-test.toml")
+# AGENTBOX_E2E_CONFIG picks another daemon config (make test-firecracker: the Firecracker one).
+CONFIG = Path(os.environ.get("AGENTBOX_E2E_CONFIG")
+              or Path(__file__).with_name("agentbox-test.toml")).resolve()
 
 
 @dataclass
@@ -47,12 +49,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_daemon(data_dir: Path, port: int | None = None, timeout: float = 300) -> Daemon:
+def start_daemon(data_dir: Path, port: int | None = None, timeout: float = 300,
+                 config: Path = CONFIG) -> Daemon:
     port = port or _free_port()
     log_path = data_dir.parent / f"{data_dir.name}-daemon.log"
     log_file = open(log_path, "ab")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agentbox.cli", "serve", "--config", str(CONFIG),
+        [sys.executable, "-m", "agentbox.cli", "serve", "--config", str(config),
          "--listen", f"127.0.0.1:{port}", "--data-dir", str(data_dir),
          "--images-dir", str(IMAGES_DIR)],
         cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -85,13 +88,20 @@ def stop_daemon(daemon: Daemon, sig: int = signal.SIGTERM) -> None:
 
 def vmm_pids_for(text: str) -> list[int]:
     """PIDs of VMM processes whose command line mentions ``text`` (a sandbox id or dir)."""
-    out = subprocess.run(["pgrep", "-f", f"qemu-system.*{text}"], capture_output=True, text=True)
+    # Anchored on the program name: the daemon's own command line may say "firecracker".
+    pattern = f"^([^ ]*/)?(qemu-system-[^ ]*|firecracker) .*{text}"
+    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
 
 
 @pytest.fixture(scope="session")
 def images_built() -> Path:
     from images.catalog import build_template, load_template
+    from tests.e2e.firecracker_env import firecracker_skip_reason
+
+    reason = firecracker_skip_reason(CONFIG)
+    if reason:
+        pytest.skip(reason)
 
     if load_template("python", IMAGES_DIR) is None:
         build_template("python", IMAGES_DIR)
