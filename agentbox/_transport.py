@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,7 +186,7 @@ class AsyncTransport:
                     raise error_for(resp)
                 yield resp
 
-    async def events(self, call: Call) -> AsyncIterator[dict[str, Any]]:
+    async def events(self, call: Call) -> AsyncGenerator[dict[str, Any], None]:
         async with self.stream(call) as resp:
             async for line in resp.aiter_lines():
                 event = parse_line(line)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, Literal, overload
 
 from agentbox import _calls
@@ -52,7 +52,7 @@ class AsyncCommandHandle:
     def __aiter__(self) -> AsyncIterator[OutputChunk]:
         return self._follow(None)
 
-    async def _follow(self, timeout: float | None) -> AsyncIterator[OutputChunk]:
+    async def _follow(self, timeout: float | None) -> AsyncGenerator[OutputChunk, None]:
         deadline, attempt = _Deadline(timeout), 0
         while not self._out.done:
             call = _calls.command_output(self._id, self.pid, self._out.offset, follow=True)

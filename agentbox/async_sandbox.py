@@ -4,6 +4,7 @@ Callbacks may be plain functions or coroutine functions."""
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 from collections.abc import Callable
 from pathlib import Path
@@ -119,7 +120,7 @@ class AsyncSandbox:
         call = _calls.create_context(self.id, name, cwd, env)
         return CodeContext.from_dict(await self._t.json(call))
 
-    async def list_code_contexts(self) -> list[CodeContext]:
+    async def list_code_contexts(self) -> builtins.list[CodeContext]:
         data = await self._t.json(_calls.list_contexts(self.id))
         return [CodeContext.from_dict(c) for c in data.get("contexts", [])]
 

@@ -7,6 +7,7 @@ HTTP connection pool; every sandbox it makes shares it.
 
 from __future__ import annotations
 
+import builtins
 from typing import Any
 
 import httpx
@@ -65,7 +66,7 @@ class AgentBox:
             return False
         return True
 
-    def templates(self) -> list[Template]:
+    def templates(self) -> builtins.list[Template]:
         return _templates(self._transport.json(_calls.templates()))
 
     def server_info(self) -> ServerInfo:
@@ -124,7 +125,7 @@ class AsyncAgentBox:
             return False
         return True
 
-    async def templates(self) -> list[Template]:
+    async def templates(self) -> builtins.list[Template]:
         return _templates(await self._transport.json(_calls.templates()))
 
     async def server_info(self) -> ServerInfo:

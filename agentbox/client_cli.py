@@ -22,7 +22,7 @@ from typing import Any
 from agentbox import _cli_output as out
 from agentbox.client import AgentBox
 from agentbox.exceptions import AgentBoxError, EndpointNotFoundError
-from agentbox.models import Execution
+from agentbox.models import CommandResult, Execution, ExecResult
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -216,6 +216,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
         raise SystemExit("agentbox: exec needs a command")
     command = argv[0] if len(argv) == 1 else shlex.join(argv)
     env = _pairs(args.env, "--env") or None
+    result: ExecResult | CommandResult
     with _client(args) as box:
         sandbox = box.connect(args.sandbox)
         if args.json:

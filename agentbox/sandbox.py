@@ -9,6 +9,7 @@ server wakes it for the next request.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -131,7 +132,7 @@ class Sandbox:
         call = _calls.create_context(self.id, name, cwd, env)
         return CodeContext.from_dict(self._t.json(call))
 
-    def list_code_contexts(self) -> list[CodeContext]:
+    def list_code_contexts(self) -> builtins.list[CodeContext]:
         data = self._t.json(_calls.list_contexts(self.id))
         return [CodeContext.from_dict(c) for c in data.get("contexts", [])]
 

@@ -13,6 +13,7 @@ the way out, whatever happens.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -66,18 +67,35 @@ async def run_terminal(url: str, api_key: str, stdin_fd: int | None = None,
     out = stdout if stdout is not None else sys.stdout.buffer
     headers = {"Authorization": f"Bearer {api_key}"}
     cols, rows = terminal_size(stdin_fd)
+    params = {"cols": str(cols), "rows": str(rows)}
     async with aiohttp.ClientSession() as session:
         try:
             ws = await session.ws_connect(url, headers=headers, max_msg_size=0, heartbeat=30,
-                                          params={"cols": str(cols), "rows": str(rows)})
+                                          params=params)
         except aiohttp.WSServerHandshakeError as exc:
-            raise from_response(exc.status, {"error": {
-                "code": _code_for(exc.status), "message": f"terminal: {exc.message}"}}) from exc
+            raise await _refusal(session, url, headers, params, exc) from exc
         except aiohttp.ClientError as exc:
             raise APIConnectionError(f"terminal: {exc}") from exc
         async with ws:
             with raw_mode(stdin_fd):
                 return await _pump(ws, stdin_fd, out)
+
+
+async def _refusal(session: Any, url: str, headers: dict[str, str], params: dict[str, str],
+                   exc: Any) -> Exception:
+    """The server's own error for a refused handshake: aiohttp drops the body, so ask
+    again with a plain upgrade request and read the JSON error it answers with."""
+    upgrade = {**headers, "Connection": "Upgrade", "Upgrade": "websocket",
+               "Sec-WebSocket-Version": "13",
+               "Sec-WebSocket-Key": base64.b64encode(os.urandom(16)).decode()}
+    body: Any = None
+    with contextlib.suppress(Exception):
+        async with session.get("http" + url[2:], headers=upgrade, params=params) as resp:
+            if resp.status == exc.status:
+                body = await resp.json(content_type=None)
+    if not (isinstance(body, dict) and isinstance(body.get("error"), dict)):
+        body = {"error": {"code": _code_for(exc.status), "message": f"terminal: {exc.message}"}}
+    return from_response(exc.status, body)
 
 
 def _code_for(status: int) -> str:

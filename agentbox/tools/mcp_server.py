@@ -36,8 +36,8 @@ def _mcp() -> tuple[Any, Any, Any]:
     except ImportError:
         pass
     try:
-        from mcp.server.fastmcp import FastMCP, Image
-        from mcp.server.fastmcp.exceptions import ToolError
+        from mcp.server.fastmcp import FastMCP, Image  # type: ignore[attr-defined,no-redef]
+        from mcp.server.fastmcp.exceptions import ToolError  # type: ignore[no-redef]
     except ImportError as exc:
         raise ImportError("the MCP server needs the mcp package: "
                           "pip install 'agentbox[mcp]'") from exc
