@@ -180,8 +180,8 @@ def terminal_app(seen: list) -> web.Application:
         return ws
 
     async def missing(request: web.Request) -> web.Response:
-        return web.json_response({"error": {"code": "sandbox_not_found", "message": "x"}},
-                                 status=404)
+        return web.json_response({"error": {"code": "sandbox_not_found",
+                                            "message": "sandbox 'gone' not found"}}, status=404)
 
     app = web.Application()
     app.router.add_get("/v1/sandboxes/sb1/terminal", terminal)
@@ -214,7 +214,7 @@ async def test_terminal_handshake_errors_are_typed(aiohttp_server):
     server = await aiohttp_server(terminal_app([]))
     read_fd, write_fd = os.pipe()
     try:
-        with pytest.raises(exceptions.NotFoundError):
+        with pytest.raises(exceptions.SandboxNotFoundError, match="'gone' not found"):
             await run_terminal(f"ws://127.0.0.1:{server.port}/v1/sandboxes/gone/terminal",
                                KEY, read_fd, io.BytesIO())
     finally:
