@@ -1,5 +1,6 @@
 """``GET /v1/info``: what a client needs to build URLs (the SDK reads
-``preview_url_template``; ``{port}``, ``{id}`` and ``{name}`` are placeholders)."""
+``preview_url_template``; ``{port}``, ``{id}`` and ``{name}`` are placeholders).
+Imports nothing from ``gateway.api``, so the API's sandbox view can use these helpers."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import importlib.metadata
 
 from aiohttp import web
 
-from gateway.api import json_response
 from gateway.config import ServerConfig
 
 SERVER_KEY = web.AppKey("server_config", ServerConfig)
@@ -36,6 +36,6 @@ def url_templates(server: ServerConfig) -> tuple[str, str]:
 async def get_info(request: web.Request) -> web.Response:
     server = request.config_dict[SERVER_KEY]
     preview, session = url_templates(server)
-    return json_response({"version": _version(), "preview_domain": server.preview_domain,
+    return web.json_response({"version": _version(), "preview_domain": server.preview_domain,
                           "session_domain": server.session_domain,
                           "preview_url_template": preview, "session_url_template": session})

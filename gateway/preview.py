@@ -45,6 +45,7 @@ from gateway.preview_auth import (
     Credentials,
     Deny,
     decide,
+    preview_view,
     validate_public_ports,
 )
 from gateway.proxy import PROXY_KEY, Proxy, Target, UpstreamPool, deferred_expect, is_websocket
@@ -186,14 +187,6 @@ def error_page(request: web.Request, status: int, code: str, message: str,
 # -- API: a sandbox's preview access ------------------------------------------------------
 
 routes = web.RouteTableDef()
-
-
-def preview_view(request: web.Request, sandbox_id: str) -> dict[str, object]:
-    """Preview fields of a sandbox, for its owner (the lead's sandbox view can merge these)."""
-    access = request.config_dict[ACCESS_KEY].get(sandbox_id)
-    template = info.url_templates(request.config_dict[info.SERVER_KEY])[0]
-    return {"preview_token": access.token, "public_ports": sorted(access.public_ports),
-            "preview_url_template": template.replace("{id}", sandbox_id)}
 
 
 def _owned(request: web.Request) -> str:

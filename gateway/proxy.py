@@ -276,7 +276,7 @@ class Proxy:
         try:
             result = await _expose_port(machine.require_agent(), target.port)
         except Exception as exc:
-            log.info("%s: expose_port(%d) failed: %s", target.sandbox_id, target.port, exc)
+            log.debug("%s: expose_port(%d) failed: %s", target.sandbox_id, target.port, exc)
             return False
         return result is not False
 

@@ -8,6 +8,7 @@ PACKAGES=(
   iproute2 nftables                # per-sandbox namespaces, veth, TAP, egress rules
   python3 python3-venv             # the daemon's virtualenv
   ca-certificates
+  chromium wrk nginx-light         # browser e2e test (headless); bench/proxy.py (wrk, nginx)
 )
 missing=()
 for p in "${PACKAGES[@]}"; do
