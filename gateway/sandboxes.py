@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -112,8 +113,7 @@ class SandboxService:
         if len(used) >= self.config.sandbox.max_sandboxes:
             raise Unavailable(f"this host is at its limit of {self.config.sandbox.max_sandboxes} "
                               "sandboxes", code="sandbox_limit", headers={"Retry-After": "30"})
-        capacity = self.backend.config.network.capacity - BUILD_SLOTS
-        slot = next((i for i in range(capacity) if i not in used), None)
+        slot = self._free_slot(used)
         if slot is None:
             raise Unavailable("network address pool exhausted", code="sandbox_limit")
         sandbox_id = secrets.token_hex(8)
@@ -126,6 +126,17 @@ class SandboxService:
             metadata=metadata)
         self.registry.insert_sandbox(rec)
         return rec
+
+    def _free_slot(self, used: set[int]) -> int | None:
+        """Lowest slot no sandbox of ours holds and whose host interface does not exist
+        (another daemon on this host may be using the same pool)."""
+        cfg = self.backend.config.network
+        for index in range(cfg.capacity - BUILD_SLOTS):
+            if index in used:
+                continue
+            if not os.path.exists(f"/sys/class/net/{network.slot_for(index, '', cfg).host_if}"):
+                return index
+        return None
 
     async def destroy(self, tenant: str, sandbox_id: str) -> None:
         ctl = self._controller(self.get(tenant, sandbox_id))
