@@ -128,7 +128,7 @@ class Forwards:
                 ports[port] = [a for a in ports[port] if a != self.bind_addr]
         return {p: a for p, a in ports.items() if a and p != AGENT_PORT}
 
-    def list(self) -> list[PortInfo]:
+    def listing(self) -> list[PortInfo]:
         return [PortInfo(port, addrs, port in self._servers)
                 for port, addrs in self.listeners().items()]
 
@@ -198,7 +198,7 @@ class Forwards:
     # -- handlers ----------------------------------------------------------------------------
 
     async def handle_list(self, request: web.Request) -> web.Response:
-        return web.json_response({"ports": [p.to_dict() for p in self.list()]})
+        return web.json_response({"ports": [p.to_dict() for p in self.listing()]})
 
     async def handle_expose(self, request: web.Request) -> web.Response:
         port = validate_port(int(request.match_info["port"]))

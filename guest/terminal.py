@@ -129,7 +129,7 @@ class Pty:
     async def _ready(self, add: Callable[..., Any], remove: Callable[[int], Any]) -> None:
         fut: asyncio.Future[None] = self._loop.create_future()
         fd = self.fd
-        add(fd, lambda: fut.done() or fut.set_result(None))
+        add(fd, _set_done, fut)
         try:
             await fut
         finally:
@@ -153,6 +153,11 @@ class Pty:
         kill_group(pid)  # nothing of the terminal's group outlives it
         with contextlib.suppress(TimeoutError):  # stuck in D state: the child watcher reaps it
             await asyncio.wait_for(self.proc.wait(), REAP_TIMEOUT)
+
+
+def _set_done(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class Terminals:
@@ -228,7 +233,7 @@ async def _converse(request: web.Request, ws: web.WebSocketResponse, term: Pty) 
     output = asyncio.create_task(_pump_output(term, ws), name=f"pty-out-{pid}")
     keys = asyncio.create_task(_pump_input(ws, term), name=f"pty-in-{pid}")
     exited = asyncio.create_task(term.proc.wait(), name=f"pty-wait-{pid}")
-    tasks = (output, keys, exited)
+    tasks: tuple[asyncio.Task[Any], ...] = (output, keys, exited)
     try:
         while not (keys.done() or exited.done()):
             await asyncio.wait({keys, exited}, timeout=DISCONNECT_POLL,
