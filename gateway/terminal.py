@@ -28,7 +28,13 @@ from aiohttp import WSMsgType, web
 from gateway.api import SERVICE_KEY
 from gateway.errors import BadRequest
 from gateway.middleware import current_key
-from guest.protocol import DEFAULT_COLS, DEFAULT_ROWS, ProtocolError, validate_terminal_size
+from guest.protocol import (
+    DEFAULT_COLS,
+    DEFAULT_ROWS,
+    MAX_TERMINAL_SIZE,
+    ProtocolError,
+    validate_terminal_size,
+)
 from vmctl import agent_terminal
 
 log = logging.getLogger(__name__)
@@ -57,7 +63,8 @@ def _size(request: web.Request) -> tuple[int, int]:
         rows = int(request.query.get("rows", DEFAULT_ROWS))
         return validate_terminal_size(cols, rows)
     except (ValueError, ProtocolError) as exc:  # ProtocolError is a ValueError
-        raise BadRequest(f"'cols' and 'rows' must be integers from 1 to 10000 ({exc})") from exc
+        raise BadRequest(f"'cols' and 'rows' must be integers from 1 to {MAX_TERMINAL_SIZE} "
+                         f"({exc})") from exc
 
 
 @routes.get("/v1/sandboxes/{id}/terminal")
