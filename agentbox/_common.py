@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from agentbox.exceptions import AgentBoxError, InvalidArgumentError, NotFoundError
+from agentbox.exceptions import InvalidArgumentError
 from agentbox.models import CodeContext, ServerInfo
 
 DEFAULT_TEMPLATE = "python"
@@ -54,11 +54,6 @@ def run_callbacks(on_stdout: Callable[..., Any] | None, on_stderr: Callable[...,
                   on_result: Callable[..., Any] | None,
                   on_error: Callable[..., Any] | None) -> dict[str, Any]:
     return {"stdout": on_stdout, "stderr": on_stderr, "result": on_result, "error": on_error}
-
-
-def is_missing(exc: AgentBoxError) -> bool:
-    """A 404 for the sandbox itself (already deleted) or the route."""
-    return isinstance(exc, NotFoundError)
 
 
 def suppress_on_unwind(exc_type: Any) -> bool:
