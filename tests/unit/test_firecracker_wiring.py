@@ -219,6 +219,8 @@ async def test_golden_boots_the_firecracker_kernel_on_a_raw_copy(host: Host) -> 
     assert agent.calls == ["wait_ready", ("execute", "import json\n"), ("execute", "sync")]
     assert [op for op, _ in host.net] == ["create", "destroy"]
     assert not pid_alive(vmm["pid"]) and _our_processes(host.root) == []
+    assert sorted(p.name for p in host.image.dir.iterdir()) == [  # no build temp dir left
+        "golden-firecracker-kvm-64M", "initrd.img", "rootfs.ext4", "vmlinuz"]
 
     # Sandboxes of an older build find the same boot files from the directory alone.
     again = load_golden_dir(golden.dir)
@@ -291,6 +293,7 @@ async def test_create_suspend_wake_cold_boot_destroy(host: Host) -> None:
                                "boot_args": boot_args(golden.cmdline)}
     assert "initrd_path" not in boot[0]["body"]
     assert not plan.root.exists() and _our_processes(host.root) == []
+    assert not list(host.root.rglob("*.sock")) and not list(host.root.rglob("*.tmp*"))
     assert ("destroy", plan.slot.netns) in host.net
     assert all(agent.closed for agent in FakeAgent.made)
     await m.destroy()  # idempotent
