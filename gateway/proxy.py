@@ -152,7 +152,11 @@ class Proxy:
     # -- HTTP ------------------------------------------------------------------------
 
     async def http(self, request: web.Request, target: Target) -> web.StreamResponse:
-        async with self.service.use(target.tenant, target.sandbox_id) as machine:
+        # Server-sent events stay open for as long as the page does: count them like a
+        # WebSocket rather than take one of the sandbox's paced request slots for hours.
+        sse = "text/event-stream" in request.headers.get("Accept", "")
+        use = self.service.use_stream if sse else self.service.use
+        async with use(target.tenant, target.sandbox_id) as machine:
             await send_continue(request)
             session = self.pool.session_for(target.sandbox_id, machine)
             headers = self._headers(request, target, websocket=False)

@@ -120,7 +120,17 @@ async def upstream_app() -> web.Application:
             else:
                 return sock
 
+    async def sse(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(3):
+            await resp.write(f"data: {i}\n\n".encode())
+            await asyncio.sleep(0.05)
+        await resp.write_eof()
+        return resp
+
     app = web.Application(client_max_size=1 << 30)
+    app.router.add_get("/sse", sse)
     app.router.add_route("*", "/echo{tail:.*}", echo)
     app.router.add_get("/chunked", chunked)
     app.router.add_get("/gz", gz)
@@ -238,6 +248,14 @@ async def test_chunked_response_multi_headers_and_no_decompression(env):
     r = await env.client.get("/gz", headers=auth(env))
     assert r.headers["Content-Encoding"] == "gzip"
     assert await r.read() == b"\x1f\x8bnot-really-gzip"
+
+
+async def test_server_sent_events_count_as_a_stream(env):
+    async with env.client.get("/sse", headers=auth(env, Accept="text/event-stream")) as r:
+        first = await r.content.readuntil(b"\n\n")
+        assert first == b"data: 0\n\n" and env.service.streams == 1
+        assert (await r.read()).count(b"data:") == 2
+    assert env.service.streams == 0
 
 
 async def test_port_closed_is_502(env):
