@@ -15,7 +15,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from gateway import api, api_interp, preview
+from gateway import api, api_interp, metrics, openapi, preview, terminal
 from gateway.config import Config
 from gateway.middleware import (
     REGISTRY_KEY,
@@ -80,6 +80,9 @@ def build_app(config: Config) -> web.Application:
     app[api.MAX_UPLOAD_KEY] = config.server.max_upload_bytes
     app.add_routes(api.routes)
     app.add_routes(api_interp.routes)
+    app.add_routes(metrics.routes)
+    app.add_routes(terminal.routes)
+    app.add_routes(openapi.routes)
     app.cleanup_ctx.append(_lifecycle)
     preview.setup(app, config)  # preview/session hosts, /v1/sessions, /v1/info (after _lifecycle)
     app.on_response_prepare.append(_wake_header)

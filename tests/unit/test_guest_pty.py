@@ -9,6 +9,7 @@ import os
 import aiohttp
 import pytest
 
+from guest import execution
 from guest.agent import create_app
 from guest.protocol import Health
 
@@ -16,7 +17,12 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-async def client(aiohttp_client, tmp_path):
+async def client(aiohttp_client, tmp_path, monkeypatch):
+    # The login shell reads ~/.profile: on a host that is the developer's (pyenv init and
+    # friends can take a minute), in the guest it is the image's. Give it an empty home.
+    real_default_env = execution.default_env
+    monkeypatch.setattr(execution, "default_env",
+                        lambda shell: {**real_default_env(shell), "HOME": str(tmp_path)})
     return await aiohttp_client(create_app(keepawake_dir=str(tmp_path / "keepawake")))
 
 
