@@ -74,6 +74,7 @@ class WakePolicy:
     wake_deadline: float = 30.0
     max_concurrent_requests: int = 64
     retry_after_s: int = 2
+    drain_timeout: float = 30.0  # a suspend waits this long for in-flight work, then gives up
 
     def __post_init__(self) -> None:
         if min(self.max_waiters_per_sandbox, self.max_waiters_global,
@@ -265,13 +266,17 @@ class SandboxController:
         started = time.monotonic()
         try:
             # Drain: requests already admitted finish first; new ones are held meanwhile.
+            # Open streams (terminals, WebSockets) can last forever: give up after a bound.
+            drain_deadline = time.monotonic() + self.policy.drain_timeout
             while self.active or self.streams:
-                if self._cancel_suspend:
+                if self._cancel_suspend or time.monotonic() > drain_deadline:
+                    self._cancel_suspend = True
                     break
                 await asyncio.sleep(0.005)
             if self._cancel_suspend or self.entering:
                 self.metrics.events["suspend_cancelled"] += 1
-                self._set(Event.SUSPEND_ABORTED, "a request arrived before the snapshot")
+                self._set(Event.SUSPEND_ABORTED,
+                          "requests still in flight, or one arrived before the snapshot")
                 return
             try:
                 await self.machine.suspend()

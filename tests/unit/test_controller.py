@@ -224,3 +224,21 @@ async def test_suspend_failure_with_vm_alive_rolls_back(registry):
     ctl, m = make(registry, state=State.RUNNING, machine=Broken())
     await ctl.start_suspend("test")
     assert ctl.state is State.RUNNING and m.aborts == 1
+
+
+async def test_suspend_gives_up_on_streams_that_stay_open(registry):
+    ctl, m = make(registry, state=State.RUNNING,
+                  policy=WakePolicy(drain_timeout=0.05))
+    opened, release = asyncio.Event(), asyncio.Event()
+
+    async def terminal():
+        async with ctl.stream():
+            opened.set()
+            await release.wait()
+
+    t = asyncio.ensure_future(terminal())
+    await opened.wait()
+    await ctl.start_suspend("api")
+    assert ctl.state is State.RUNNING and m.suspends == 0
+    release.set()
+    await t
