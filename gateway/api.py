@@ -162,6 +162,14 @@ async def download_file(request: web.Request) -> web.StreamResponse:
             upstream.release()
 
 
+@routes.get("/v1/sandboxes/{id}/stat/{path:.*}")
+async def stat_file(request: web.Request) -> web.Response:
+    path = validate_path("/" + request.match_info["path"])
+    async with _service(request).use(current_key(request).id, request.match_info["id"]) as m:
+        info = await m.require_agent().stat(path)
+    return json_response(info.to_dict())
+
+
 @routes.delete("/v1/sandboxes/{id}/files/{path:.*}")
 async def delete_file(request: web.Request) -> web.Response:
     path = validate_path("/" + request.match_info["path"])

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 REGISTRY_KEY = web.AppKey("registry", Registry)
 TENANT_KEY = "agentbox.key"
-PUBLIC_PATHS = frozenset({"/healthz"})
+PUBLIC_PATHS = frozenset({"/healthz", "/v1/openapi.json"})
 
 
 def error_response(status: int, code: str, message: str,
@@ -43,7 +43,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(
+        # aiohttp raises these for requests no route matches (our own 404s are ApiErrors).
+        code = {404: "no_route", 405: "method_not_allowed", 413: "payload_too_large"}.get(
             exc.status, "http_error")
         return error_response(exc.status, code, exc.reason or exc.text or "error")
     except Exception:

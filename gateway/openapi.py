@@ -292,6 +292,8 @@ OPS: tuple[Op, ...] = (
        returns="bytes|DirListing", errors=(400,) + _SANDBOX_ERRORS),
     Op("DELETE", _SB + "/files/{path}", "Delete a file or directory (recursively)", "files",
        204, errors=(400,) + _SANDBOX_ERRORS),
+    Op("GET", _SB + "/stat/{path}", "Stat a file or directory (404 if missing)", "files",
+       returns="FileInfo", errors=(400,) + _SANDBOX_ERRORS),
     Op("POST", _SB + "/run_code", "Run code in a stateful interpreter context", "interpreter",
        body="RunCodeRequest", returns="Execution|ndjson:RunEvent",
        errors=(400,) + _SANDBOX_ERRORS, description="With \"stream\": true: " + _NDJSON_NOTE),
