@@ -29,7 +29,7 @@ def report(name: str, values: list[float], unit: str = "ms") -> float:
     return med
 
 
-class private_daemon:  # noqa: N801 - used as a context manager
+class private_daemon:
     """A daemon with its own data dir (shared, cached images), stopped on exit."""
 
     def __enter__(self):

@@ -19,7 +19,6 @@ from pathlib import Path
 
 from _common import IMAGES_DIR, private_daemon, report
 
-from guest.protocol import ExecRequest
 from images.catalog import load_template
 from vmctl import disks, network
 from vmctl.agent_client import AgentClient

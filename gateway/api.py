@@ -11,6 +11,7 @@ from aiohttp import web
 
 from gateway.errors import BadRequest, Forbidden, NotFound, PayloadTooLarge
 from gateway.middleware import REGISTRY_KEY, current_key
+from gateway.preview_auth import ACCESS_KEY, preview_view, validate_public_ports
 from gateway.registry import SandboxRecord
 from gateway.sandboxes import SandboxService, validate_create, validate_update
 from guest.protocol import ExecRequest, validate_path
@@ -83,7 +84,7 @@ async def list_sandboxes(request: web.Request) -> web.Response:
 @routes.get("/v1/sandboxes/{id}")
 async def get_sandbox(request: web.Request) -> web.Response:
     rec = _service(request).get(current_key(request).id, request.match_info["id"])
-    return json_response(sandbox_view(rec))
+    return json_response(sandbox_view(rec) | preview_view(request, rec.id))
 
 
 @routes.delete("/v1/sandboxes/{id}")
@@ -94,10 +95,14 @@ async def delete_sandbox(request: web.Request) -> web.Response:
 
 @routes.patch("/v1/sandboxes/{id}")
 async def update_sandbox(request: web.Request) -> web.Response:
-    idle, metadata = validate_update(await read_json(request))
+    body = await read_json(request)
+    idle, metadata = validate_update(body)
+    ports = validate_public_ports(body["public_ports"]) if "public_ports" in body else None
     rec = _service(request).update(current_key(request).id, request.match_info["id"], idle,
                                    metadata)
-    return json_response(sandbox_view(rec))
+    if ports is not None:
+        request.config_dict[ACCESS_KEY].set_public_ports(rec.id, ports)
+    return json_response(sandbox_view(rec) | preview_view(request, rec.id))
 
 
 @routes.post("/v1/sandboxes/{id}/suspend")

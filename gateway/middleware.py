@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 REGISTRY_KEY = web.AppKey("registry", Registry)
-TENANT_KEY = "agentbox.key"
+TENANT_KEY = web.RequestKey("agentbox.key", ApiKey)
 PUBLIC_PATHS = frozenset({"/healthz", "/v1/openapi.json"})
 
 

@@ -32,7 +32,14 @@ from aiohttp.web_urldispatcher import AbstractRuleMatching, MatchedSubAppResourc
 from gateway import info, sessions
 from gateway.api import SERVICE_KEY, json_response, read_json
 from gateway.config import Config
-from gateway.errors import ApiError, BadRequest, NotFound, SandboxNotFound, Unauthorized
+from gateway.errors import (
+    ApiError,
+    BadRequest,
+    Forbidden,
+    NotFound,
+    SandboxNotFound,
+    Unauthorized,
+)
 from gateway.lifecycle import State
 from gateway.middleware import REGISTRY_KEY, Handler, current_key, error_response
 from gateway.preview_auth import (
@@ -50,6 +57,7 @@ from gateway.preview_auth import (
 )
 from gateway.proxy import PROXY_KEY, Proxy, Target, UpstreamPool, deferred_expect, is_websocket
 from gateway.proxy_headers import read_cookie, strip_query_param
+from guest.protocol import AGENT_PORT
 from vmctl.errors import VmctlError
 
 _PORT = r"(6553[0-5]|655[0-2]\d|65[0-4]\d\d|6[0-4]\d{3}|[1-5]\d{4}|[1-9]\d{0,3})"
@@ -145,6 +153,10 @@ async def _serve_host(request: web.Request, found: PreviewHost | SessionHost) ->
         sandbox_id, port = session.sandbox_id, session.port
     else:
         sandbox_id, port = found.sandbox_id, found.port
+    if port == AGENT_PORT or not 0 < port < 65536:
+        # The guest agent has no authentication of its own: it is only ever reached by the
+        # daemon, never through a preview URL.
+        raise Forbidden(f"port {port} is reserved and cannot be previewed", code="port_reserved")
     rec = cfg[REGISTRY_KEY].get(sandbox_id)
     if rec is None or rec.state is State.DESTROYED:
         raise SandboxNotFound(sandbox_id)

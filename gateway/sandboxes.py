@@ -281,7 +281,7 @@ class SandboxService:
                            golden=self.golden_for(rec))
 
 
-def _number(value: Any, name: str) -> float | None:
+def parse_seconds(value: Any, name: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
@@ -289,7 +289,7 @@ def _number(value: Any, name: str) -> float | None:
     return float(value)
 
 
-def _metadata(value: Any) -> dict[str, Any] | None:
+def parse_metadata(value: Any) -> dict[str, Any] | None:
     if value is None:
         return None
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
@@ -299,7 +299,7 @@ def _metadata(value: Any) -> dict[str, Any] | None:
     return value
 
 
-def _object(body: Any, allowed: set[str]) -> dict[str, Any]:
+def parse_object(body: Any, allowed: set[str]) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     unknown = set(body) - allowed
@@ -309,14 +309,16 @@ def _object(body: Any, allowed: set[str]) -> dict[str, Any]:
 
 
 def validate_create(body: Any) -> tuple[str | None, dict[str, Any], float | None]:
-    body = _object(body, {"template", "environment", "metadata", "idle_timeout"})
+    body = parse_object(body, {"template", "environment", "metadata", "idle_timeout"})
     template = body.get("template", body.get("environment"))
     if template is not None and (not isinstance(template, str) or not template):
         raise BadRequest("'template' must be a non-empty string")
-    return template, _metadata(body.get("metadata")) or {}, _number(body.get("idle_timeout"),
-                                                                     "idle_timeout")
+    metadata = parse_metadata(body.get("metadata")) or {}
+    return template, metadata, parse_seconds(body.get("idle_timeout"), "idle_timeout")
 
 
 def validate_update(body: Any) -> tuple[float | None, dict[str, Any] | None]:
-    body = _object(body, {"metadata", "idle_timeout"})
-    return _number(body.get("idle_timeout"), "idle_timeout"), _metadata(body.get("metadata"))
+    # "public_ports" is validated and applied by gateway.preview_auth.
+    body = parse_object(body, {"metadata", "idle_timeout", "public_ports"})
+    idle = parse_seconds(body.get("idle_timeout"), "idle_timeout")
+    return idle, parse_metadata(body.get("metadata"))

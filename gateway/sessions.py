@@ -41,7 +41,7 @@ from gateway.middleware import current_key
 from gateway.preview_auth import ACCESS_KEY, COOKIE, TOKEN_HEADER
 from gateway.proxy import PROXY_KEY, Target, deferred_expect
 from gateway.registry import Registry
-from gateway.sandboxes import SandboxService, _metadata, _number, _object
+from gateway.sandboxes import SandboxService, parse_metadata, parse_object, parse_seconds
 from guest.protocol import CommandRequest
 from vmctl import agent_interp
 
@@ -93,7 +93,7 @@ def validate_name(name: str, reserve_preview_labels: bool = False) -> str:
 
 
 def validate_spec(body: Any) -> SessionSpec:
-    body = _object(body, {"template", "port", "idle_timeout", "start", "metadata"})
+    body = parse_object(body, {"template", "port", "idle_timeout", "start", "metadata"})
     port, template, start = body.get("port", 8000), body.get("template"), body.get("start")
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise BadRequest("'port' must be a port number (1-65535)")
@@ -101,8 +101,8 @@ def validate_spec(body: Any) -> SessionSpec:
         raise BadRequest("'template' must be a non-empty string")
     if start is not None and (not isinstance(start, str) or not start.strip()):
         raise BadRequest("'start' must be a non-empty shell command")
-    return SessionSpec(template, port, _number(body.get("idle_timeout"), "idle_timeout"), start,
-                       _metadata(body.get("metadata")) or {})
+    idle = parse_seconds(body.get("idle_timeout"), "idle_timeout")
+    return SessionSpec(template, port, idle, start, parse_metadata(body.get("metadata")) or {})
 
 
 class SessionService:

@@ -245,6 +245,13 @@ def test_nothing_listening_is_502(api, sandbox, web):
     assert "9999" in r.json()["error"]["message"]
 
 
+def test_the_guest_agent_port_is_never_proxied(api, sandbox, web):
+    sid = sandbox["id"]
+    r = web.get("/health", headers={"Host": host_for(sid, 49983),
+                                    "X-AgentBox-Token": preview_token(api, sid)})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "port_reserved"
+
+
 def test_service_bound_to_guest_loopback_is_reachable(api, sandbox, web):
     pytest.importorskip("vmctl.agent_terminal", reason="expose_port not available")
     sid = sandbox["id"]

@@ -85,6 +85,12 @@ class FakeAgent:
         self.calls.append(("execute", req.command or req.code))
         return SimpleNamespace(exit_code=0, stdout="", stderr="")
 
+    async def _json(self, method: str, path: str, **kw: Any) -> Any:
+        # The golden build warms the default interpreter context through /run_code.
+        self.calls.append((method, path))
+        return {"stdout": "", "stderr": "", "results": [], "error": None,
+                "execution_count": 1, "duration_ms": 1.0}
+
     async def aclose(self) -> None:
         self.closed = True
 
@@ -216,7 +222,8 @@ async def test_golden_boots_the_firecracker_kernel_on_a_raw_copy(host: Host) -> 
     assert manifest["meta"]["initrd"] is None and manifest["meta"]["firecracker_version"]
     # The agent was waited for and warmed up; the build's network slot came and went.
     [agent] = FakeAgent.made
-    assert agent.calls == ["wait_ready", ("execute", "import json\n"), ("execute", "sync")]
+    assert agent.calls == ["wait_ready", ("execute", "import json\n"), ("POST", "/run_code"),
+                           ("execute", "sync")]
     assert [op for op, _ in host.net] == ["create", "destroy"]
     assert not pid_alive(vmm["pid"]) and _our_processes(host.root) == []
     assert sorted(p.name for p in host.image.dir.iterdir()) == [  # no build temp dir left

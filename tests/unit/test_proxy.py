@@ -30,7 +30,6 @@ from gateway.registry import Registry, SandboxRecord
 
 SID = "0123456789abcdef"
 # gateway.middleware stores the API key under a str request key (aiohttp warns; reported).
-pytestmark = pytest.mark.filterwarnings("ignore::aiohttp.web_exceptions.NotAppKeyWarning")
 
 
 class FakeService:
