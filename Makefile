@@ -8,7 +8,7 @@ DATA_DIR ?=
 SERVE_ARGS := --config $(CONFIG) $(if $(LISTEN),--listen $(LISTEN)) $(if $(DATA_DIR),--data-dir $(DATA_DIR))
 PYTEST_ARGS ?=
 
-.PHONY: setup host-packages venv images run test test-unit test-e2e test-firecracker \
+.PHONY: setup host-packages venv images test-images run test test-unit test-e2e test-firecracker \
         kernel-firecracker bench lint clean
 
 setup: host-packages venv
@@ -31,13 +31,18 @@ images: setup
 run: images
 	$(BIN)/agentbox serve $(SERVE_ARGS)
 
-test: images
+# The e2e suite serves the templates in its own config (python + python-datascience).
+TEST_CONFIG := tests/e2e/agentbox-test.toml
+test-images: setup
+	$(BIN)/agentbox images build --config $(TEST_CONFIG)
+
+test: images test-images
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-unit: setup
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
-test-e2e: images
+test-e2e: images test-images
 	$(BIN)/python -m pytest tests/e2e $(PYTEST_ARGS)
 
 # Opt-in: compiles a Firecracker-ready vmlinux from Debian's linux-source (minutes).

@@ -23,6 +23,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 IMAGES_DIR = Path(os.environ.get("AGENTBOX_IMAGES_DIR", "/var/lib/agentbox/images"))
 # AGENTBOX_E2E_CONFIG picks another daemon config (make test-firecracker: the Firecracker one).
+TEST_TEMPLATES = ("python", "python-datascience")  # what agentbox-test.toml serves
 CONFIG = Path(os.environ.get("AGENTBOX_E2E_CONFIG")
               or Path(__file__).with_name("agentbox-test.toml")).resolve()
 
@@ -103,8 +104,9 @@ def images_built() -> Path:
     if reason:
         pytest.skip(reason)
 
-    if load_template("python", IMAGES_DIR) is None:
-        build_template("python", IMAGES_DIR)
+    for name in TEST_TEMPLATES:  # normally built already by `make images`
+        if load_template(name, IMAGES_DIR) is None:
+            build_template(name, IMAGES_DIR)
     return IMAGES_DIR
 
 
