@@ -112,3 +112,15 @@ def test_argv_is_identical_for_boot_and_restore(tmp_path):
     assert argv.index("-initrd") < argv.index("-append")
     kvm = qemu_argv(VMSpec(**{**spec.__dict__, "accel": Accel.KVM}), tmp_path / "q.sock")
     assert kvm[kvm.index("-accel") + 1] == "kvm"
+
+
+def test_control_socket_stays_within_the_unix_socket_limit(tmp_path):
+    from vmctl.drivers.qemu import control_socket_path
+    from vmctl.spec import VMSpec
+
+    short = VMSpec(vm_id="a", workdir=tmp_path, kernel=tmp_path / "k", disk=tmp_path / "d",
+                   mem_file=tmp_path / "m")
+    assert control_socket_path(short) == tmp_path / "qmp.sock"
+    deep = VMSpec(**{**short.__dict__, "vm_id": "golden-x", "workdir": tmp_path / ("d" * 120)})
+    path = control_socket_path(deep)
+    assert len(str(path)) < 108 and path.name == "golden-x.qmp"

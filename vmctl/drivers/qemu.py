@@ -55,6 +55,21 @@ def qemu_argv(spec: VMSpec, qmp_socket: Path, binary: str = QEMU_BINARY) -> list
     return argv
 
 
+# sun_path is 108 bytes; deep data dirs (and golden builds' temp dirs) can exceed it.
+_SUN_PATH_MAX = 100
+SHORT_SOCKET_DIR = Path("/run/agentbox")
+
+
+def control_socket_path(spec: VMSpec) -> Path:
+    """The QMP socket: in the VM's workdir, or under /run/agentbox if that path is too long
+    for a Unix socket."""
+    path = spec.workdir / "qmp.sock"
+    if len(str(path)) <= _SUN_PATH_MAX:
+        return path
+    SHORT_SOCKET_DIR.mkdir(parents=True, exist_ok=True)
+    return SHORT_SOCKET_DIR / f"{spec.vm_id}.qmp"
+
+
 def _disk_format(disk: Path) -> str:
     return "qcow2" if disk.suffix == ".qcow2" else "raw"
 
@@ -116,7 +131,7 @@ class QemuDriver(Driver):
     # -- helpers ---------------------------------------------------------------
 
     async def _spawn(self, spec: VMSpec, extra: list[str]) -> None:
-        self.control_socket = spec.workdir / "qmp.sock"
+        self.control_socket = control_socket_path(spec)
         self.control_socket.unlink(missing_ok=True)
         argv = qemu_argv(spec, self.control_socket, self.binary) + extra
         if spec.netns is not None:
