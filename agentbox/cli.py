@@ -41,6 +41,14 @@ def _server_commands(sub: argparse._SubParsersAction) -> None:
     build.add_argument("--config", type=Path)
     build.add_argument("--images-dir", type=Path)
     build.add_argument("--no-golden", action="store_true", help="skip the golden snapshot")
+    gc = isub.add_parser("gc", help="delete old template builds no sandbox uses (dry run "
+                                     "unless --apply)")
+    gc.add_argument("--config", type=Path)
+    gc.add_argument("--images-dir", type=Path)
+    gc.add_argument("--data-dir", dest="data_dirs", type=Path, action="append", default=[],
+                    help="a data dir whose sandboxes use these images (repeat for each "
+                         "daemon sharing the images dir; default: the config's)")
+    gc.add_argument("--apply", action="store_true", help="really delete")
     images.set_defaults(func=_cmd_images)
 
 
@@ -85,6 +93,8 @@ def _cmd_keys(args: argparse.Namespace) -> int:
 
 
 def _cmd_images(args: argparse.Namespace) -> int:
+    if args.images_cmd == "gc":
+        return _cmd_images_gc(args)
     from images.catalog import build_template
 
     config = _load_config(args)
@@ -92,6 +102,23 @@ def _cmd_images(args: argparse.Namespace) -> int:
     built = [build_template(n, config.server.images_dir) for n in names]
     if not args.no_golden:
         asyncio.run(_build_goldens(config, built))
+    return 0
+
+
+def _cmd_images_gc(args: argparse.Namespace) -> int:
+    from gateway import image_gc
+
+    config = _load_config(args)
+    gc = image_gc.plan(config.server.images_dir,
+                       image_gc.in_use(args.data_dirs or [config.server.data_dir]))
+    for build in gc.keep_in_use:
+        print(f"keep (used by sandboxes): {build}")
+    for build in gc.remove:
+        print(f"{'removing' if args.apply else 'would remove'}: {build}")
+    if args.apply:
+        print(f"freed {image_gc.apply(gc) / 2**30:.1f} GiB")
+    elif gc.remove:
+        print("dry run: add --apply to delete")
     return 0
 
 
