@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -325,5 +326,6 @@ class SandboxController:
         self.rec = self.registry.transition(self.id, event, cause, **updates)
 
     def _update(self, **updates: Any) -> SandboxRecord:
+        # On every request's end: write, but do not read the row back.
         self.registry.update(self.id, **updates)
-        return self.registry.get(self.id) or self.rec
+        return dataclasses.replace(self.rec, **updates)
