@@ -6,8 +6,9 @@
     result = sandbox.execute("print(1)")
     print(result.stdout)
 
-Also ``Sandbox.create()`` / ``Sandbox.connect(id)`` (E2B style) and the asyncio
-twins ``AsyncAgentBox`` / ``AsyncSandbox``. Errors are in ``agentbox.exceptions``.
+Also ``Sandbox.create()`` / ``Sandbox.connect(id)`` (E2B style), named long-lived
+sessions (``box.sessions.put(name, start=...)``) and the asyncio twins
+``AsyncAgentBox`` / ``AsyncSandbox``. Errors are in ``agentbox.exceptions``.
 This package imports nothing from the server side: it works installed alone.
 """
 
@@ -25,6 +26,7 @@ from agentbox.exceptions import (
     PayloadTooLargeError,
     SandboxError,
     SandboxNotFoundError,
+    SessionNotFoundError,
     TemplateNotFoundError,
     TimeoutError as TimeoutError,  # not in __all__: a star import must not shadow the builtin
     UnavailableError,
@@ -38,10 +40,12 @@ from agentbox.models import (
     ExecResult,
     FileInfo,
     OutputChunk,
+    PreviewAccess,
     ProcessInfo,
     Result,
     SandboxInfo,
     ServerInfo,
+    Session,
     Template,
 )
 from agentbox.sandbox import Sandbox
@@ -53,7 +57,7 @@ __all__ = [
     "AsyncCommandHandle", "AsyncSandbox", "AuthenticationError", "ByteStream", "CodeContext",
     "CommandHandle", "CommandResult", "ConflictError", "ExecResult", "Execution",
     "ExecutionError", "FileInfo", "InvalidArgumentError", "NotFoundError", "OutputChunk",
-    "PayloadTooLargeError", "ProcessInfo", "Result", "Sandbox", "SandboxError", "SandboxInfo",
-    "SandboxNotFoundError", "ServerInfo", "Template", "TemplateNotFoundError",
-    "UnavailableError", "__version__",
+    "PayloadTooLargeError", "PreviewAccess", "ProcessInfo", "Result", "Sandbox", "SandboxError",
+    "SandboxInfo", "SandboxNotFoundError", "ServerInfo", "Session", "SessionNotFoundError",
+    "Template", "TemplateNotFoundError", "UnavailableError", "__version__",
 ]

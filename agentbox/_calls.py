@@ -64,10 +64,13 @@ def resume_sandbox(sandbox_id: str) -> Call:
 
 
 def update_sandbox(sandbox_id: str, idle_timeout: float | None = None,
-                   metadata: dict[str, Any] | None = None) -> Call:
-    body = _drop_none(idle_timeout=idle_timeout, metadata=metadata)
+                   metadata: dict[str, Any] | None = None,
+                   public_ports: list[int] | None = None) -> Call:
+    body = _drop_none(idle_timeout=idle_timeout, metadata=metadata,
+                      public_ports=None if public_ports is None else _ports(public_ports))
     if not body:
-        raise InvalidArgumentError("nothing to update: give idle_timeout and/or metadata")
+        raise InvalidArgumentError("nothing to update: give idle_timeout, metadata and/or "
+                                   "public_ports")
     return Call("PATCH", _sb(sandbox_id), json=body)
 
 
@@ -81,6 +84,52 @@ def server_info() -> Call:
 
 def terminal_path(sandbox_id: str) -> str:
     return _sb(sandbox_id, "/terminal")
+
+
+# -- preview access and sessions -------------------------------------------------------------
+
+def _ports(ports: Any) -> list[int]:
+    if isinstance(ports, (str, bytes)) or not all(
+            isinstance(p, int) and not isinstance(p, bool) for p in ports):
+        raise InvalidArgumentError(f"public_ports must be a list of port numbers, not {ports!r}")
+    return list(ports)
+
+
+def get_preview(sandbox_id: str) -> Call:
+    return Call("GET", _sb(sandbox_id, "/preview"))
+
+
+def set_public_ports(sandbox_id: str, ports: Any) -> Call:
+    return Call("PATCH", _sb(sandbox_id, "/preview"), json={"public_ports": _ports(ports)})
+
+
+def rotate_preview_token(sandbox_id: str) -> Call:
+    return Call("POST", _sb(sandbox_id, "/preview-token"))
+
+
+def _session(name: str) -> str:
+    if not isinstance(name, str) or not name:
+        raise InvalidArgumentError("a session name is required", code="bad_session_name")
+    return f"/v1/sessions/{quote(name, safe='')}"
+
+
+def put_session(name: str, template: str | None, port: int | None, idle_timeout: float | None,
+                start: str | None, metadata: dict[str, Any] | None) -> Call:
+    body = _drop_none(template=template, port=port, idle_timeout=idle_timeout, start=start,
+                      metadata=metadata)
+    return Call("PUT", _session(name), json=body)
+
+
+def get_session(name: str) -> Call:
+    return Call("GET", _session(name))
+
+
+def list_sessions() -> Call:
+    return Call("GET", "/v1/sessions")
+
+
+def delete_session(name: str) -> Call:
+    return Call("DELETE", _session(name))
 
 
 # -- execute and files ---------------------------------------------------------------------------

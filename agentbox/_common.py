@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from agentbox.exceptions import InvalidArgumentError
 from agentbox.models import CodeContext, ServerInfo
@@ -34,6 +34,27 @@ def preview_url(info: ServerInfo | None, base_url: str, sandbox_id: str, port: i
         suffix = f":{parts.port}" if parts.port else ""
         template = f"{parts.scheme or 'http'}://{{port}}-{{id}}.localhost{suffix}"
     return template.replace("{port}", str(port)).replace("{id}", sandbox_id)
+
+
+def with_token(url: str, token: str) -> str:
+    """``url`` carrying the preview token once (the gateway answers with a cookie)."""
+    parts = urlsplit(url)
+    base = url if parts.path or parts.query else url + "/"
+    return f"{base}{'&' if parts.query else '?'}token={quote(token, safe='')}"
+
+
+def session_url(info: ServerInfo | None, base_url: str, name: str,
+                given: str | None = None) -> str:
+    """A session's URL: from ``session_url_template`` (``GET /v1/info``), else the one the
+    server gave, else ``{scheme}://{name}.sessions.localhost[:{gateway port}]``."""
+    template = info.session_url_template if info else None
+    if template:
+        return template.replace("{name}", name)
+    if given:
+        return given
+    parts = urlsplit(base_url)
+    suffix = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme or 'http'}://{name}.sessions.localhost{suffix}"
 
 
 def host_of(url: str) -> str:

@@ -15,7 +15,14 @@ from agentbox._streams import ExecutionBuilder, maybe_await, notify
 from agentbox.async_commands import AsyncCommands
 from agentbox.exceptions import AgentBoxError, SandboxNotFoundError
 from agentbox.files import AsyncFiles
-from agentbox.models import CodeContext, Execution, ExecResult, FileInfo, SandboxInfo
+from agentbox.models import (
+    CodeContext,
+    Execution,
+    ExecResult,
+    FileInfo,
+    PreviewAccess,
+    SandboxInfo,
+)
 
 if TYPE_CHECKING:
     from agentbox.client import AsyncAgentBox
@@ -141,9 +148,28 @@ class AsyncSandbox:
 
     # -- addressing ------------------------------------------------------------------------------
 
-    async def get_url(self, port: int) -> str:
-        return _common.preview_url(await self._client.server_info(),
-                                   self._t.config.base_url, self.id, port)
+    async def get_url(self, port: int, with_token: bool = False) -> str:
+        url = _common.preview_url(await self._client.server_info(),
+                                  self._t.config.base_url, self.id, port)
+        return _common.with_token(url, await self.preview_token) if with_token else url
+
+    # -- preview access --------------------------------------------------------------------------
+
+    async def get_preview(self) -> PreviewAccess:
+        return PreviewAccess.from_dict(await self._t.json(_calls.get_preview(self.id)))
+
+    @property
+    async def preview_token(self) -> str:
+        """``await sandbox.preview_token`` (fetched on each access)."""
+        return (await self.get_preview()).preview_token
+
+    async def rotate_preview_token(self) -> str:
+        data = await self._t.json(_calls.rotate_preview_token(self.id))
+        return PreviewAccess.from_dict(data).preview_token
+
+    async def set_public_ports(self, ports: builtins.list[int]) -> PreviewAccess:
+        data = await self._t.json(_calls.set_public_ports(self.id, ports))
+        return PreviewAccess.from_dict(data)
 
     async def get_host(self, port: int) -> str:
         return _common.host_of(await self.get_url(port))
@@ -174,8 +200,9 @@ class AsyncSandbox:
         return await self.update(idle_timeout=seconds)
 
     async def update(self, *, idle_timeout: float | None = None,
-                     metadata: dict[str, Any] | None = None) -> SandboxInfo:
-        call = _calls.update_sandbox(self.id, idle_timeout, metadata)
+                     metadata: dict[str, Any] | None = None,
+                     public_ports: builtins.list[int] | None = None) -> SandboxInfo:
+        call = _calls.update_sandbox(self.id, idle_timeout, metadata, public_ports)
         self.info = SandboxInfo.from_dict(await self._t.json(call))
         return self.info
 

@@ -18,6 +18,7 @@ from agentbox.async_sandbox import AsyncSandbox
 from agentbox.exceptions import NotFoundError, SandboxNotFoundError
 from agentbox.models import SandboxInfo, ServerInfo, Template
 from agentbox.sandbox import Sandbox
+from agentbox.sessions import AsyncSessions, Sessions
 
 
 def _sandboxes(data: Any) -> list[SandboxInfo]:
@@ -29,13 +30,15 @@ def _templates(data: Any) -> list[Template]:
 
 
 class AgentBox:
-    """The synchronous client. ``box.create()`` makes a :class:`Sandbox`."""
+    """The synchronous client. ``box.create()`` makes a :class:`Sandbox`;
+    ``box.sessions`` manages named long-lived sessions."""
 
     def __init__(self, api_key: str | None = None, base_url: str | None = None, *,
                  timeout: float | None = None, http_client: httpx.Client | None = None) -> None:
         self.config = ClientConfig.resolve(api_key, base_url, timeout)
         self._transport = SyncTransport(self.config, http_client)
         self._server_info: ServerInfo | None = None
+        self.sessions = Sessions(self)
 
     def __repr__(self) -> str:
         return f"<AgentBox {self.config.base_url}>"
@@ -97,6 +100,7 @@ class AsyncAgentBox:
         self.config = ClientConfig.resolve(api_key, base_url, timeout)
         self._transport = AsyncTransport(self.config, http_client)
         self._server_info: ServerInfo | None = None
+        self.sessions = AsyncSessions(self)
 
     def __repr__(self) -> str:
         return f"<AsyncAgentBox {self.config.base_url}>"

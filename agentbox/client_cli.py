@@ -1,7 +1,8 @@
 """Client commands of the ``agentbox`` CLI (``agentbox.cli`` adds them next to the
 server-side ``serve``/``keys``/``images``):
 
-    create, ls, info, exec, run, cp, shell, url, suspend, resume, rm, templates, mcp
+    create, ls, info, exec, run, cp, shell, url, suspend, resume, rm, templates, mcp,
+    session put|get|ls|rm (in ``agentbox._cli_sessions``)
 
 Human output by default, one JSON document with ``--json``. The key and URL come
 from ``--api-key``/``--url``, else ``AGENTBOX_API_KEY``/``AGENTBOX_URL``. Exit
@@ -66,6 +67,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = cmd("url", cmd_url, "print the preview URL of a port in a sandbox")
     p.add_argument("sandbox")
     p.add_argument("port", type=int)
+    p.add_argument("--token", action="store_true",
+                   help="append ?token= (the preview token) so a browser can open a private port")
+    from agentbox import _cli_sessions  # imports this module's helpers
+
+    _cli_sessions.add_commands(sub.add_parser("session", help="named long-lived sessions",
+                                              description="named long-lived sessions"),
+                               common, _api_errors)
     cmd("suspend", cmd_suspend, "snapshot a sandbox and stop its VM").add_argument("sandbox")
     cmd("resume", cmd_resume, "wake a suspended sandbox").add_argument("sandbox")
     cmd("rm", cmd_rm, "delete sandboxes").add_argument("sandboxes", nargs="+")
@@ -203,7 +211,7 @@ def cmd_templates(args: argparse.Namespace) -> int:
 
 def cmd_url(args: argparse.Namespace) -> int:
     with _client(args) as box:
-        url = box.connect(args.sandbox).get_url(args.port)
+        url = box.connect(args.sandbox).get_url(args.port, with_token=args.token)
     out.print_json({"url": url}) if args.json else print(url)
     return 0
 

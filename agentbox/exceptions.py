@@ -114,6 +114,10 @@ class ProcessNotFoundError(NotFoundError):
     code = "process_not_found"
 
 
+class SessionNotFoundError(NotFoundError):
+    code = "session_not_found"
+
+
 class EndpointNotFoundError(NotFoundError):
     """404 for the route itself: this server does not offer the endpoint (an older
     version, or a feature not enabled)."""
@@ -185,6 +189,7 @@ _BY_CODE: dict[str, type[AgentBoxError]] = {
     "template_not_found": TemplateNotFoundError,
     "context_not_found": ContextNotFoundError,
     "process_not_found": ProcessNotFoundError,
+    "session_not_found": SessionNotFoundError,
     "no_route": EndpointNotFoundError,
     "route_not_found": EndpointNotFoundError,
     "missing_api_key": AuthenticationError,
@@ -245,7 +250,7 @@ __all__ = [
     "ConflictError", "ContextNotFoundError", "EndpointNotFoundError", "InvalidArgumentError",
     "NotFoundError", "PayloadTooLargeError", "PermissionDeniedError", "ProcessNotFoundError",
     "ProtocolError", "RateLimitError", "RateLimitedError", "SandboxError",
-    "SandboxNotFoundError", "SandboxTimeoutError", "ServerError", "StorageFullError",
-    "StreamInterruptedError", "TemplateNotFoundError", "TimeoutError", "UnavailableError",
-    "error_class", "from_response",
+    "SandboxNotFoundError", "SandboxTimeoutError", "ServerError", "SessionNotFoundError",
+    "StorageFullError", "StreamInterruptedError", "TemplateNotFoundError", "TimeoutError",
+    "UnavailableError", "error_class", "from_response",
 ]

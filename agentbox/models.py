@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentbox.exceptions import ProtocolError
+from agentbox.exceptions import ConfigurationError, NotFoundError, ProtocolError
 
 
 def _get(data: Any, name: str, kind: str) -> Any:
@@ -39,6 +39,9 @@ class SandboxInfo:
     last_suspend_ms: float | None = None
     last_restore_ms: float | None = None
     failure: str | None = None
+    preview_token: str | None = None  # only from get/update (the owner's view), not list
+    public_ports: list[int] = field(default_factory=list)
+    preview_url_template: str | None = None
 
     @classmethod
     def from_dict(cls, data: Any) -> SandboxInfo:
@@ -66,17 +69,36 @@ class Template:
 
 @dataclass(frozen=True)
 class ServerInfo:
-    """``GET /v1/info``; ``preview_url_template`` holds ``{port}`` and ``{id}``."""
+    """``GET /v1/info``; ``preview_url_template`` holds ``{port}`` and ``{id}``,
+    ``session_url_template`` holds ``{name}``."""
 
     version: str | None = None
     preview_url_template: str | None = None
+    session_url_template: str | None = None
     raw: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: Any) -> ServerInfo:
         data = data if isinstance(data, dict) else {}
         return cls(version=data.get("version"),
-                   preview_url_template=data.get("preview_url_template"), raw=dict(data))
+                   preview_url_template=data.get("preview_url_template"),
+                   session_url_template=data.get("session_url_template"), raw=dict(data))
+
+
+@dataclass(frozen=True)
+class PreviewAccess:
+    """Who may open a sandbox's preview URLs: its ``preview_token`` (``pv_...``) opens
+    every port; ``public_ports`` need no token."""
+
+    preview_token: str
+    public_ports: list[int] = field(default_factory=list)
+    preview_url_template: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: Any) -> PreviewAccess:
+        return cls(preview_token=str(_get(data, "preview_token", "preview")),
+                   public_ports=[int(p) for p in data.get("public_ports") or []],
+                   preview_url_template=data.get("preview_url_template"))
 
 
 @dataclass(frozen=True)
@@ -317,3 +339,51 @@ class CodeContext:
     @property
     def id(self) -> str:
         return self.name
+
+
+@dataclass(frozen=True)
+class Session:
+    """A session: a named sandbox that lives until deleted (suspended when idle, woken by
+    a request). ``state`` is its sandbox's ("creating" before it has one); ``start_state``
+    is none/starting/started/failed for the ``start`` command, which runs once. ``url`` is
+    the host form (``http://{name}.sessions.localhost:8080``, private: send
+    ``preview_token``); ``proxy_path`` the API-key form. ``sandbox()`` connects to its
+    sandbox (awaitable when the session came from an ``AsyncAgentBox``)."""
+
+    name: str
+    sandbox_id: str | None
+    state: str
+    port: int
+    url: str | None = None
+    proxy_path: str | None = None
+    preview_token: str | None = None
+    start: str | None = None
+    start_state: str = "none"
+    start_pid: int | None = None
+    start_error: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    created_at: float | None = None
+
+    @classmethod
+    def from_dict(cls, data: Any, client: Any = None, url: str | None = None) -> Session:
+        """Parse the server's view; ``url`` (from ``session_url_template``) replaces the
+        server's; ``client`` is what ``sandbox()`` connects through."""
+        for name in ("name", "sandbox_id", "state", "port"):
+            _get(data, name, "session")
+        known = {f.name for f in dataclasses.fields(cls)}
+        session = cls(**{k: v for k, v in data.items() if k in known}
+                      | ({"url": url} if url else {}))
+        object.__setattr__(session, "_client", client)  # not a field: kept out of asdict()
+        return session
+
+    def sandbox(self) -> Any:
+        """The session's sandbox, connected (a ``Sandbox``; with an async client, a
+        coroutine giving an ``AsyncSandbox``). Leaving a ``with`` block does not kill it."""
+        client = getattr(self, "_client", None)
+        if client is None:
+            raise ConfigurationError("this Session was not made by a client: use "
+                                     "box.connect(session.sandbox_id)")
+        if not self.sandbox_id:
+            raise NotFoundError(f"session {self.name!r} has no sandbox yet", status=404,
+                                code="session_not_ready")
+        return client.connect(self.sandbox_id)

@@ -19,7 +19,14 @@ from agentbox._streams import ExecutionBuilder, notify
 from agentbox.commands import Commands
 from agentbox.exceptions import AgentBoxError, SandboxNotFoundError
 from agentbox.files import Files
-from agentbox.models import CodeContext, Execution, ExecResult, FileInfo, SandboxInfo
+from agentbox.models import (
+    CodeContext,
+    Execution,
+    ExecResult,
+    FileInfo,
+    PreviewAccess,
+    SandboxInfo,
+)
 
 if TYPE_CHECKING:
     from agentbox.client import AgentBox
@@ -157,10 +164,34 @@ class Sandbox:
 
     # -- addressing ------------------------------------------------------------------------------
 
-    def get_url(self, port: int) -> str:
-        """The URL where the gateway serves ``port`` of this sandbox (waking it if needed)."""
-        return _common.preview_url(self._client.server_info(), self._t.config.base_url,
-                                   self.id, port)
+    def get_url(self, port: int, with_token: bool = False) -> str:
+        """The URL where the gateway serves ``port`` of this sandbox (waking it if needed).
+        Ports are private unless made public: ``with_token=True`` appends ``?token=``, which
+        a browser trades for a cookie on its first visit (programs can instead send the
+        header ``X-AgentBox-Token: {preview_token}``)."""
+        url = _common.preview_url(self._client.server_info(), self._t.config.base_url,
+                                  self.id, port)
+        return _common.with_token(url, self.preview_token) if with_token else url
+
+    # -- preview access --------------------------------------------------------------------------
+
+    def get_preview(self) -> PreviewAccess:
+        """The preview token and public ports (``GET .../preview``)."""
+        return PreviewAccess.from_dict(self._t.json(_calls.get_preview(self.id)))
+
+    @property
+    def preview_token(self) -> str:
+        """The token that opens this sandbox's private ports (fetched on each access)."""
+        return self.get_preview().preview_token
+
+    def rotate_preview_token(self) -> str:
+        """A new preview token; the old one, and links and cookies made with it, stop working."""
+        data = self._t.json(_calls.rotate_preview_token(self.id))
+        return PreviewAccess.from_dict(data).preview_token
+
+    def set_public_ports(self, ports: builtins.list[int]) -> PreviewAccess:
+        """Serve these ports without a token (replaces the list; ``[]`` = all private)."""
+        return PreviewAccess.from_dict(self._t.json(_calls.set_public_ports(self.id, ports)))
 
     def get_host(self, port: int) -> str:
         """``{port}-{id}.{domain}`` (host and port of :meth:`get_url`, without scheme)."""
@@ -195,8 +226,9 @@ class Sandbox:
         return self.update(idle_timeout=seconds)
 
     def update(self, *, idle_timeout: float | None = None,
-               metadata: dict[str, Any] | None = None) -> SandboxInfo:
-        call = _calls.update_sandbox(self.id, idle_timeout, metadata)
+               metadata: dict[str, Any] | None = None,
+               public_ports: builtins.list[int] | None = None) -> SandboxInfo:
+        call = _calls.update_sandbox(self.id, idle_timeout, metadata, public_ports)
         self.info = SandboxInfo.from_dict(self._t.json(call))
         return self.info
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import subprocess
 import sys
 import textwrap
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -290,3 +292,52 @@ def test_mcp_server_lists_tools_and_runs_code(env, box, tmp_path):
     while new_ids(box, before) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not new_ids(box, before), "the MCP session's sandbox outlived the session"
+
+
+# -- sessions and preview access ----------------------------------------------------------------
+
+def _via_gateway(daemon, url: str, **headers: str) -> httpx.Response:
+    """GET ``url`` (a preview or session URL) from the daemon on 127.0.0.1 with its Host
+    header (``*.localhost`` names need not resolve here), waiting for the app to listen."""
+    parts = urlsplit(url)
+    target = f"{daemon.url}{parts.path or '/'}" + (f"?{parts.query}" if parts.query else "")
+    deadline = time.monotonic() + 60
+    while True:
+        r = httpx.get(target, headers={"Host": parts.netloc, **headers}, timeout=60)
+        if r.status_code != 502 or time.monotonic() > deadline:
+            return r
+        time.sleep(0.3)
+
+
+def test_session_put_get_fetch_and_delete(box, daemon):
+    name = "sdk-" + secrets.token_hex(3)
+    start = "python3 -m http.server 8000"
+    try:
+        session = box.sessions.put(name, "python", port=8000, start=start,
+                                   metadata={"by": "test_sdk"})
+        assert (session.name, session.port, session.start) == (name, 8000, start)
+        assert session.start_state == "started" and session.start_pid
+        assert session.state == "running" and session.preview_token.startswith("pv_")
+        again = box.sessions.get(name)
+        assert again.sandbox_id == session.sandbox_id and again.metadata == {"by": "test_sdk"}
+        assert box.sessions.put(name).sandbox_id == session.sandbox_id  # idempotent
+        assert name in [s.name for s in box.sessions.list()]
+        assert urlsplit(session.url).hostname == f"{name}.sessions.localhost"
+
+        # The session's host: private (401) without the token, the app with it.
+        assert _via_gateway(daemon, session.url).status_code == 401
+        r = _via_gateway(daemon, session.url, **{"X-AgentBox-Token": session.preview_token})
+        assert r.status_code == 200 and "Directory listing" in r.text, (r.status_code, r.text)
+
+        # Its sandbox's own preview URL, token in the query: a redirect that sets the cookie.
+        sandbox = session.sandbox()
+        assert sandbox.id == session.sandbox_id and sandbox.preview_token == session.preview_token
+        r = _via_gateway(daemon, sandbox.get_url(8000, with_token=True))
+        assert r.status_code == 302 and "agentbox_preview=" in r.headers["set-cookie"]
+        sandbox.set_public_ports([8000])
+        assert _via_gateway(daemon, sandbox.get_url(8000)).status_code == 200
+    finally:
+        assert box.sessions.delete(name) is True
+    with pytest.raises(exceptions.SessionNotFoundError):
+        box.sessions.get(name)
+    assert box.sessions.delete(name) is False
