@@ -159,6 +159,10 @@ def read_file(sandbox_id: str, path: str) -> Call:
     return Call("GET", _sb(sandbox_id, "/files" + quote(sandbox_path(path))), timeout=None)
 
 
+def stat_file(sandbox_id: str, path: str) -> Call:
+    return Call("GET", _sb(sandbox_id, "/stat" + quote(sandbox_path(path))))
+
+
 def delete_file(sandbox_id: str, path: str) -> Call:
     return Call("DELETE", _sb(sandbox_id, "/files" + quote(sandbox_path(path))))
 

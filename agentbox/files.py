@@ -146,8 +146,8 @@ class Files:
 
     def exists(self, path: str) -> bool:
         try:
-            with self._t.stream(_calls.read_file(self._id, path)):
-                return True
+            self._t.send(_calls.stat_file(self._id, path))
+            return True
         except NotFoundError as exc:
             if _file_missing(exc):
                 return False
@@ -217,8 +217,8 @@ class AsyncFiles:
 
     async def exists(self, path: str) -> bool:
         try:
-            async with self._t.stream(_calls.read_file(self._id, path)):
-                return True
+            await self._t.send(_calls.stat_file(self._id, path))
+            return True
         except NotFoundError as exc:
             if _file_missing(exc):
                 return False

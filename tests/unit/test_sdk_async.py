@@ -73,6 +73,10 @@ async def test_files_round_trip(srv):
     srv.on("GET", SB + "/files/tmp/f", raw(b"data"))
     srv.on("GET", SB + "/files/tmp", raw(b'{"path": "/tmp", "entries": []}', "application/json"))
     srv.on("GET", SB + "/files/none", error(404, "not_found", "no such file"))
+    srv.on("GET", SB + "/stat/tmp/f", raw(b'{"path": "/tmp/f", "name": "f", "type": "file", '
+                                          b'"size": 4, "mode": 420, "mtime": 1}',
+                                          "application/json"))
+    srv.on("GET", SB + "/stat/none", error(404, "not_found", "no such file"))
     async with AsyncAgentBox(api_key=KEY, base_url=srv.url) as box:
         sandbox = await box.connect("sb1")
         progress = []

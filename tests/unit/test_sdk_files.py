@@ -103,12 +103,16 @@ def test_list_and_directory_checks(sandbox):
     assert exc.value.code == "is_a_directory"
 
 
+STAT = r"/v1/sandboxes/sb1/stat"
+
+
 def test_exists(sandbox):
-    sandbox.srv.on("GET", FILES + "/yes", raw(b"1"))
-    sandbox.srv.on("GET", FILES + "/no", error(404, "not_found", "no such file: /no"))
+    info = b'{"path": "/yes", "name": "yes", "type": "file", "size": 1, "mode": 420, "mtime": 1}'
+    sandbox.srv.on("GET", STAT + "/yes", raw(info, "application/json"))
+    sandbox.srv.on("GET", STAT + "/no", error(404, "not_found", "no such file: /no"))
     assert sandbox.files.exists("/yes") is True
     assert sandbox.files.exists("/no") is False
-    sandbox.srv.on("GET", FILES + "/no", error(404, "sandbox_not_found"))
+    sandbox.srv.on("GET", STAT + "/no", error(404, "sandbox_not_found"))
     with pytest.raises(exceptions.SandboxNotFoundError):
         sandbox.files.exists("/no")
 
