@@ -73,9 +73,6 @@ for _state in State:
     if _state is not S.DESTROYED:
         TRANSITIONS[(_state, E.DESTROY)] = S.DESTROYED
 
-# States in which the VMM process exists (or is being started/stopped).
-VMM_STATES = frozenset({S.CREATING, S.RUNNING, S.SUSPENDING, S.RESTORING})
-
 
 class IllegalTransition(Exception):
     def __init__(self, state: State, event: Event) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -161,14 +160,6 @@ def _check_stat(role: str, path: Path, entry: dict[str, Any]) -> None:
         raise SnapshotError(f"snapshot {role} file {path} changed since the snapshot "
                             f"(size/mtime {st.st_size}/{st.st_mtime_ns}, "
                             f"recorded {entry.get('size')}/{entry['mtime_ns']})")
-
-
-def discard_incomplete(directory: Path) -> bool:
-    """Remove ``directory`` if it holds no manifest (a half-written snapshot)."""
-    if directory.exists() and not (directory / MANIFEST).is_file():
-        shutil.rmtree(directory, ignore_errors=True)
-        return True
-    return False
 
 
 def _fsync(path: Path) -> None:
