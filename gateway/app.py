@@ -57,6 +57,7 @@ async def load_goldens(config: Config) -> tuple[vm_backend.Backend | None, dict[
             log.error("template %r is not built in %s: run `make images` "
                       "(or `agentbox images build %s`)", name, config.server.images_dir, name)
             continue
+        _warn_if_stale(image)
         images[name] = image
     if not images:
         return None, {}
@@ -69,6 +70,19 @@ async def load_goldens(config: Config) -> tuple[vm_backend.Backend | None, dict[
         except Exception:
             log.exception("golden snapshot for template %r failed; template disabled", name)
     return backend, goldens
+
+
+def _warn_if_stale(image) -> None:  # type: ignore[no-untyped-def]
+    """Say so when a template was built from other guest code than this checkout's (the
+    daemon would serve an agent that does not match the host side)."""
+    from images.hashing import files_digest, snapshot_files
+    from images.inputs import GUEST_DIR
+    from images.manifest import read_manifest
+
+    built = (read_manifest(image.dir) or {}).get("guest_digest")
+    if built and built != files_digest(snapshot_files(GUEST_DIR)):
+        log.warning("template %r was built from different guest/ code than this checkout: "
+                    "run `make images` (or `agentbox images build %s`)", image.name, image.name)
 
 
 def build_app(config: Config) -> web.Application:

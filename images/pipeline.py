@@ -76,6 +76,7 @@ def _build_into(ctx: BuildContext, inputs: BuildInputs, cache: Path, images_dir:
         "kernel_release": kernel.release, "modules": modules,
         "busybox_package": f"{inputs.busybox.name}={inputs.busybox.version}",
         "initrd_key": inputs.initrd_key, "mirror": inputs.mirror.uri,
+        "guest_digest": inputs.guest_digest,
         "template_packages": list(inputs.spec.packages), **rootfs_facts,
     }
 
