@@ -5,10 +5,12 @@ from types import SimpleNamespace
 from gateway.app import _warn_if_stale
 from images.hashing import files_digest, snapshot_files
 from images.inputs import GUEST_DIR
+from images.manifest import FORMAT
 
 
 def _image(tmp_path, digest):
-    (tmp_path / "manifest.json").write_text(json.dumps({"guest_digest": digest}))
+    manifest = {"format": FORMAT, "guest_digest": digest}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     return SimpleNamespace(name="python", dir=tmp_path)
 
 
