@@ -8,7 +8,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 
@@ -28,6 +28,23 @@ def to_jsonable(obj: Any) -> Any:
 
 def print_json(obj: Any, out: TextIO | None = None) -> None:
     print(json.dumps(to_jsonable(obj), indent=None, default=str), file=out or sys.stdout)
+
+
+def remove_each(names: Sequence[str], remove: Callable[[str], bool], kind: str,
+                as_json: bool) -> int:
+    """Remove each name; report what went (``--json``: one object); 1 if any was unknown."""
+    status, removed = 0, []
+    for name in names:
+        if remove(name):
+            removed.append(name)
+            if not as_json:
+                print(f"removed {name}")
+        else:
+            status = 1
+            print(f"agentbox: no {kind} {name}", file=sys.stderr)
+    if as_json:
+        print_json({"removed": removed})
+    return status
 
 
 def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], out: TextIO | None = None) -> None:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 
 from agentbox import _cli_output as out
@@ -71,16 +70,5 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    status, removed = 0, []
     with _client(args) as box:
-        for name in args.names:
-            if box.sessions.delete(name):
-                removed.append(name)
-                if not args.json:
-                    print(f"removed {name}")
-            else:
-                status = 1
-                print(f"agentbox: no session {name}", file=sys.stderr)
-    if args.json:
-        out.print_json({"removed": removed})
-    return status
+        return out.remove_each(args.names, box.sessions.delete, "session", args.json)

@@ -183,19 +183,8 @@ def _transition(args: argparse.Namespace, action: str) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    status, removed = 0, []
     with _client(args) as box:
-        for sandbox_id in args.sandboxes:
-            if box.kill(sandbox_id):
-                removed.append(sandbox_id)
-                if not args.json:
-                    print(f"removed {sandbox_id}")
-            else:
-                status = 1
-                print(f"agentbox: no sandbox {sandbox_id}", file=sys.stderr)
-    if args.json:
-        out.print_json({"removed": removed})
-    return status
+        return out.remove_each(args.sandboxes, box.kill, "sandbox", args.json)
 
 
 def cmd_templates(args: argparse.Namespace) -> int:

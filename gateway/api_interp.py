@@ -21,9 +21,9 @@ import aiohttp
 from aiohttp import web
 
 from gateway.api import SERVICE_KEY, json_response, read_json
-from gateway.errors import BadRequest
 from gateway.middleware import current_key
 from guest.protocol import (
+    query_number,
     CommandRequest,
     CreateContextRequest,
     RunCodeRequest,
@@ -50,17 +50,6 @@ async def _json_or_empty(request: web.Request) -> Any:
 
 def _pid(request: web.Request) -> int:
     return int(request.match_info["pid"])
-
-
-def _number(request: web.Request, name: str, default: float, maximum: float) -> float:
-    raw = request.query.get(name)
-    try:
-        value = default if raw is None else float(raw)
-    except ValueError as exc:
-        raise BadRequest(f"'{name}' must be a number") from exc
-    if not 0 <= value <= maximum:
-        raise BadRequest(f"'{name}' must be between 0 and {maximum:g}")
-    return value
 
 
 def _flag(request: web.Request, name: str) -> bool:
@@ -165,7 +154,7 @@ async def signal_command(request: web.Request) -> web.Response:
 
 @routes.get(_PID + "/wait")
 async def wait_command(request: web.Request) -> web.Response:
-    timeout = _number(request, "timeout", 30.0, MAX_WAIT)
+    timeout = query_number(request.query, "timeout", 30.0, MAX_WAIT)
     async with _use(request) as machine:
         info = await agent_interp.wait_command(machine.require_agent(), _pid(request), timeout)
     return json_response(info.to_dict())
@@ -173,7 +162,7 @@ async def wait_command(request: web.Request) -> web.Response:
 
 @routes.get(_PID + "/output")
 async def command_output(request: web.Request) -> web.StreamResponse:
-    offset = int(_number(request, "offset", 0, float(2**62)))
+    offset = int(query_number(request.query, "offset", 0, float(2**62)))
     follow = _flag(request, "follow")
     async with _use(request) as machine:
         upstream = await agent_interp.open_output(machine.require_agent(), _pid(request),

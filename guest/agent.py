@@ -32,6 +32,7 @@ from guest.interpreter import ExecutionCollector, Interpreter  # noqa: E402
 from guest.keepawake import count_vetoes, ensure_dir, veto_dir  # noqa: E402
 from guest.processes import ManagedProcess, ProcessTable  # noqa: E402
 from guest.protocol import (  # noqa: E402
+    query_number,
     AGENT_PORT,
     PROTOCOL_VERSION,
     CommandRequest,
@@ -195,12 +196,12 @@ class Agent:
 
     async def wait_command(self, request: web.Request) -> web.Response:
         pid = _pid(request)
-        timeout = _number(request, "timeout", 30.0, MAX_WAIT)
+        timeout = query_number(request.query, "timeout", 30.0, MAX_WAIT)
         return _json(await _unless_disconnected(request, self.processes.wait(pid, timeout)))
 
     async def command_output(self, request: web.Request) -> web.StreamResponse:
         mp = self.processes.get(_pid(request))
-        offset = int(_number(request, "offset", 0, float(2**62)))
+        offset = int(query_number(request.query, "offset", 0, float(2**62)))
         stream = NdjsonStream(request)
 
         async def pump() -> None:
@@ -269,17 +270,6 @@ def _pid(request: web.Request) -> int:
 
 def _flag(request: web.Request, name: str) -> bool:
     return request.query.get(name, "").lower() in ("1", "true", "yes")
-
-
-def _number(request: web.Request, name: str, default: float, maximum: float) -> float:
-    raw = request.query.get(name)
-    try:
-        value = default if raw is None else float(raw)
-    except ValueError as exc:
-        raise ProtocolError(f"'{name}' must be a number") from exc
-    if not 0 <= value <= maximum:
-        raise ProtocolError(f"'{name}' must be between 0 and {maximum:g}")
-    return value
 
 
 def _query_path(request: web.Request) -> str:

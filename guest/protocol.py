@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import posixpath
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +103,18 @@ def validate_path(path: object) -> str:
         raise ProtocolError(f"path must not contain '..' segments: {path!r}")
     norm = posixpath.normpath(path)
     return "/" + norm.lstrip("/") if norm.startswith("//") else norm
+
+
+def query_number(query: Mapping[str, str], name: str, default: float, maximum: float) -> float:
+    """A numeric query parameter in [0, maximum] (both ends parse ?timeout= / ?offset= alike)."""
+    raw = query.get(name)
+    try:
+        value = default if raw is None else float(raw)
+    except ValueError as exc:
+        raise ProtocolError(f"'{name}' must be a number") from exc
+    if not 0 <= value <= maximum:
+        raise ProtocolError(f"'{name}' must be between 0 and {maximum:g}")
+    return value
 
 
 def _from_dict(cls: type, data: object) -> Any:
