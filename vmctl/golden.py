@@ -27,6 +27,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import shutil
 import time
 import uuid
@@ -34,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from guest.protocol import ExecRequest, RunCodeRequest
+from guest.protocol import DEFAULT_CONTEXT, CreateContextRequest, ExecRequest
 from vmctl import agent_interp, network, store
 from vmctl.agent_client import AgentClient
 from vmctl.backend import Backend
@@ -58,8 +59,13 @@ class Golden:
     mem_mib: int
 
 
+# Bumped whenever what goes into a golden snapshot changes (e.g. how it is warmed). A new
+# name, not an overwrite: existing sandboxes' disks use the old one as their backing file.
+GOLDEN_RECIPE = 2
+
+
 def golden_dir(image_dir: Path, backend: Backend, mem_mib: int) -> Path:
-    return image_dir / f"golden-{backend.key}-{mem_mib}M"
+    return image_dir / f"golden-{backend.key}-{mem_mib}M-r{GOLDEN_RECIPE}"
 
 
 async def ensure_golden(image, backend: Backend,  # type: ignore[no-untyped-def]
@@ -75,17 +81,14 @@ async def ensure_golden(image, backend: Backend,  # type: ignore[no-untyped-def]
 
 
 async def _warm(agent: AgentClient, image) -> None:  # type: ignore[no-untyped-def]
-    """Run the template's warm-up inside the default interpreter context, so every sandbox
-    restored from this snapshot starts with a live, warmed interpreter (its first
-    run_code does not pay for starting Python under emulation)."""
+    """Run the template's warm-up and start the default interpreter context, so every
+    sandbox restored from this snapshot has a live interpreter (its first run_code does not
+    pay for starting Python under emulation) whose execution count still starts at 1."""
     if image.warmup:
         res = await agent.execute(ExecRequest(code=image.warmup, timeout=300))
         if res.exit_code != 0:
             raise ImageError(f"warm-up of {image.name} failed: {res.stderr[-500:]}")
-    execution = await agent_interp.run_code(
-        agent, RunCodeRequest(code=image.warmup or "pass", timeout=300))
-    if execution.error is not None:
-        raise ImageError(f"interpreter warm-up of {image.name} failed: {execution.error}")
+    await agent_interp.create_context(agent, CreateContextRequest(name=DEFAULT_CONTEXT))
 
 
 def load_golden_dir(directory: Path) -> Golden:
@@ -111,7 +114,10 @@ def _image_cmdline(image_dir: Path) -> str:
 
 
 def _mem_from_name(name: str) -> int:
-    return int(name.rsplit("-", 1)[-1].rstrip("M"))
+    match = re.search(r"-(\d+)M(?:-r\d+)?$", name)
+    if match is None:
+        raise ImageError(f"cannot tell the guest memory size from {name!r}")
+    return int(match.group(1))
 
 
 async def _build(image, backend: Backend, final: Path,  # type: ignore[no-untyped-def]

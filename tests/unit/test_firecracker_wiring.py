@@ -86,10 +86,10 @@ class FakeAgent:
         return SimpleNamespace(exit_code=0, stdout="", stderr="")
 
     async def _json(self, method: str, path: str, **kw: Any) -> Any:
-        # The golden build warms the default interpreter context through /run_code.
+        # The golden build starts the default interpreter context through /contexts.
         self.calls.append((method, path))
-        return {"stdout": "", "stderr": "", "results": [], "error": None,
-                "execution_count": 1, "duration_ms": 1.0}
+        return {"name": "default", "language": "python", "cwd": "/root", "pid": 7,
+                "running": False, "execution_count": 0, "created_at": 1.0}
 
     async def aclose(self) -> None:
         self.closed = True
@@ -200,7 +200,7 @@ async def test_golden_boots_the_firecracker_kernel_on_a_raw_copy(host: Host) -> 
     backend = await _backend(host)
     golden = await ensure_golden(host.image, backend, progress=lambda _: None)
 
-    assert golden.dir == host.image.dir / "golden-firecracker-kvm-64M"
+    assert golden.dir == host.image.dir / "golden-firecracker-kvm-64M-r2"
     assert sorted(p.name for p in golden.dir.iterdir()) == [
         "disk", "manifest.json", "memory", "vmstate"]
     assert (golden.kernel, golden.initrd) == (host.kernel, None)  # resolved, no initrd
@@ -222,12 +222,12 @@ async def test_golden_boots_the_firecracker_kernel_on_a_raw_copy(host: Host) -> 
     assert manifest["meta"]["initrd"] is None and manifest["meta"]["firecracker_version"]
     # The agent was waited for and warmed up; the build's network slot came and went.
     [agent] = FakeAgent.made
-    assert agent.calls == ["wait_ready", ("execute", "import json\n"), ("POST", "/run_code"),
+    assert agent.calls == ["wait_ready", ("execute", "import json\n"), ("POST", "/contexts"),
                            ("execute", "sync")]
     assert [op for op, _ in host.net] == ["create", "destroy"]
     assert not pid_alive(vmm["pid"]) and _our_processes(host.root) == []
     assert sorted(p.name for p in host.image.dir.iterdir()) == [  # no build temp dir left
-        "golden-firecracker-kvm-64M", "initrd.img", "rootfs.ext4", "vmlinuz"]
+        "golden-firecracker-kvm-64M-r2", "initrd.img", "rootfs.ext4", "vmlinuz"]
 
     # Sandboxes of an older build find the same boot files from the directory alone.
     again = load_golden_dir(golden.dir)
