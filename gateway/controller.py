@@ -1,30 +1,20 @@
-"""One sandbox's controller: wake-on-request and idle suspend.
+"""One sandbox's controller: the asyncio shell around its ``SandboxCore``.
 
-Theory of operation
--------------------
-Every request to a sandbox enters through ``request()``, which counts it
-*before* looking at the state (so an idle check can never pick a sandbox that
-has a request on its way in). Then, by state:
+The controller decides nothing. It tells the core what happened (a request
+arrived or left, an operation finished or failed, the VMM exited, the idle
+timer fired) and executes the commands the core returns, in order: write a
+transition to the registry, start an operation task, admit, hold or reject a
+request, probe the guest, abort the requests of a VM that died.
 
-* RUNNING: go ahead (through a per-sandbox pacing semaphore).
-* SUSPENDED / FAILED: start the restore if none is running, and wait for it.
-* RESTORING: wait for the restore that is already running.
-* SUSPENDING: ask the suspend to give up; it does so if it has not started
-  writing the snapshot yet, otherwise it finishes and the request then starts
-  a restore. Either way the request is answered once.
+Operations (create, restore, cold boot, suspend) run as tasks owned by the
+service, detached from the request that triggered them, so a client that goes
+away cancels only its own wait. Requests that must wait hold on the running
+operation, bounded by the core's limits.
 
-There is at most one operation (restore or suspend) per sandbox at a time: a
-task owned by the controller, detached from the request that triggered it, so
-a client that goes away cancels only its own wait. Waiting is bounded: a
-per-sandbox and a global hold limit (overflow: 503 + Retry-After) and a wake
-deadline (504). A failed restore is reported to every waiter and not cached:
-the state goes back to SUSPENDED, or to FAILED if the guest had already
-started (its memory and disk moved on, so the old snapshot is no longer
-consistent; the next request cold-boots the sandbox's disk).
-
-All state changes go through ``Registry.transition`` before the I/O they
-announce, so a crash at any point leaves a state that reconciliation can
-finish or roll back.
+A watcher on the VMM's pidfd reports its exit at once (``vmctl.watch``): a
+sandbox whose VMM dies while RUNNING goes FAILED, and the requests using it are
+cancelled and answered 503 ``sandbox_crashed`` with ``Retry-After`` instead of
+hanging until a proxy timeout.
 """
 
 from __future__ import annotations
@@ -34,53 +24,38 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gateway.errors import ApiError, Conflict, SandboxNotFound, Unavailable
-from gateway.lifecycle import Event, State
+from gateway import core as c
+from gateway.core import Policy, RestoreFailed, VMLost, WakeTimeout
+from gateway.errors import ApiError, SandboxNotFound
+from gateway.lifecycle import State
 from gateway.metrics import Metrics
 from gateway.registry import Registry, SandboxRecord
 from vmctl.machine import RestoreError
+from vmctl.watch import ExitWatch
 
 log = logging.getLogger(__name__)
 
+WakePolicy = Policy  # the name the rest of the gateway knows the limits by
+DRAIN_POLL_S = 0.005
 
-class WakeTimeout(ApiError):
-    status = 504
-    code = "wake_timeout"
-
-
-class RestoreFailed(ApiError):
-    status = 502
-    code = "restore_failed"
+__all__ = ["HoldCounter", "RestoreFailed", "SandboxController", "VMLost", "Wake", "WakePolicy",
+           "WakeTimeout"]
 
 
 class MachineLike(Protocol):
     """What the controller needs from ``vmctl.Machine`` (a fake implements it in tests)."""
 
+    async def create(self) -> None: ...
     async def suspend(self) -> None: ...
     async def wake(self) -> float: ...
     async def cold_boot(self) -> float: ...
     async def abort_suspend(self) -> None: ...
     async def destroy(self) -> None: ...
     def vmm_record(self) -> Any: ...
-
-
-@dataclass(frozen=True)
-class WakePolicy:
-    max_waiters_per_sandbox: int = 1000
-    max_waiters_global: int = 10000
-    wake_deadline: float = 30.0
-    max_concurrent_requests: int = 64
-    retry_after_s: int = 2
-    drain_timeout: float = 30.0  # a suspend waits this long for in-flight work, then gives up
-
-    def __post_init__(self) -> None:
-        if min(self.max_waiters_per_sandbox, self.max_waiters_global,
-               self.max_concurrent_requests) < 1 or self.wake_deadline <= 0:
-            raise ValueError("wake limits must be positive")
 
 
 class HoldCounter:
@@ -100,27 +75,26 @@ class Wake:
 
 class SandboxController:
     def __init__(self, rec: SandboxRecord, machine: MachineLike, registry: Registry,
-                 policy: WakePolicy, holds: HoldCounter,
+                 policy: Policy, holds: HoldCounter,
                  spawn: Callable[[Awaitable[Any], str], asyncio.Task],
                  metrics: Metrics | None = None) -> None:
         self.rec = rec
-        self.metrics = metrics or Metrics()
         self.machine = machine
         self.registry = registry
-        self.policy = policy
         self.holds = holds
+        self.metrics = metrics or Metrics()
         self._spawn = spawn
-        self.entering = 0  # requests counted but not yet admitted (held or about to be)
-        self.active = 0  # requests using the machine now
-        self.streams = 0  # open WebSockets / streamed responses
+        self.core = c.SandboxCore(rec.state, policy, suspend_count=rec.suspend_count,
+                                  restore_count=rec.restore_count, now=time.monotonic())
         self._op: asyncio.Task | None = None
-        self._cancel_suspend = False
         self._pace = asyncio.Semaphore(policy.max_concurrent_requests)
-        self._idle_since = time.monotonic()
+        self._admitted: set[asyncio.Task] = set()
+        self._aborted: dict[asyncio.Task, ApiError] = {}
+        self._watch: ExitWatch | None = None
+        self.streams = 0  # open WebSockets / streamed responses (for metrics and tests)
 
     def __repr__(self) -> str:
-        return (f"<SandboxController {self.rec.id} {self.state.name} active={self.active} "
-                f"entering={self.entering} streams={self.streams}>")
+        return f"<SandboxController {self.id} {self.core!r}>"
 
     @property
     def id(self) -> str:
@@ -128,28 +102,41 @@ class SandboxController:
 
     @property
     def state(self) -> State:
-        return self.rec.state
+        return self.core.state
+
+    @property
+    def entering(self) -> int:
+        return self.core.entering
+
+    @property
+    def active(self) -> int:
+        return self.core.active
 
     # -- requests -------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
     async def request(self, paced: bool = True) -> AsyncIterator[Wake]:
         """Admit one request: wake the sandbox if needed, then hold it RUNNING while in use."""
-        self.entering += 1
-        try:
-            wake = await self._admit()
-        finally:
-            self.entering -= 1
-        self.active += 1
+        wake = await self._admit()
+        task = asyncio.current_task()
+        assert task is not None
+        self._admitted.add(task)
         try:
             if paced:
                 async with self._pace:
                     yield wake
             else:
                 yield wake
+        except asyncio.CancelledError:
+            error = self._aborted.pop(task, None)
+            if error is None:
+                raise
+            task.uncancel()
+            raise error from None
         finally:
-            self.active -= 1
-            self.touch()
+            self._admitted.discard(task)
+            self._aborted.pop(task, None)
+            self._run(self.core.handle(c.RequestLeft(admitted=True, now=time.monotonic())))
 
     @contextlib.asynccontextmanager
     async def stream(self) -> AsyncIterator[Wake]:
@@ -161,157 +148,89 @@ class SandboxController:
             finally:
                 self.streams -= 1
 
-    def touch(self) -> None:
-        self._idle_since = time.monotonic()
-        self.rec = self._update(last_activity=time.time())
-
     def idle_for(self) -> float:
-        """Seconds without any host-visible activity (0 while anything is in flight)."""
-        if self.active or self.entering or self.streams:
-            return 0.0
-        return time.monotonic() - self._idle_since
+        return self.core.idle_for(time.monotonic())
 
     async def _admit(self) -> Wake:
-        wake = Wake()
-        started = time.monotonic()
-        while True:
-            state = self.state
-            if state is State.RUNNING:
-                if wake.woke:
-                    wake.wake_ms = (time.monotonic() - started) * 1000
-                return wake
-            if state is State.DESTROYED:
-                raise SandboxNotFound(self.id)
-            if state in (State.SUSPENDED, State.FAILED):
-                self._start_restore(cause="woken by a request")
-                wake.woke = True
-            elif state is State.SUSPENDING:
-                self._cancel_suspend = True
-                wake.woke = True
-            elif state is State.RESTORING:
-                wake.woke = True
-            await self._hold(started)
+        self._run(self.core.handle(c.RequestEntered()))
+        started, woke = time.monotonic(), False
+        queued = True  # counted by the core as entering
+        try:
+            while True:
+                verdict = self._run(self.core.handle(c.AdmissionAsked(
+                    waited_s=time.monotonic() - started, held_globally=self.holds.held)))[-1]
+                if isinstance(verdict, c.Admit):
+                    queued = False
+                    ms = (time.monotonic() - started) * 1000 if woke else 0.0
+                    return Wake(woke, ms)
+                if isinstance(verdict, c.Reject):
+                    queued = False
+                    raise self._rejection(verdict.error)
+                assert isinstance(verdict, c.Hold)
+                woke = True
+                await self._hold(verdict.timeout)
+        finally:
+            if queued:  # cancelled or failed while held
+                self._run(self.core.handle(c.RequestLeft(admitted=False, now=time.monotonic())))
 
-    async def _hold(self, started: float) -> None:
+    def _rejection(self, error: ApiError) -> ApiError:
+        self.metrics.events[{"hold_queue_full": "hold_rejected"}.get(error.code, error.code)] += 1
+        return SandboxNotFound(self.id) if isinstance(error, SandboxNotFound) else error
+
+    async def _hold(self, timeout: float) -> None:
         """Wait for the current operation (bounded), without being able to cancel it."""
-        if self.entering > self.policy.max_waiters_per_sandbox or \
-                self.holds.held >= self.policy.max_waiters_global:
-            self.metrics.events["hold_rejected"] += 1
-            raise Unavailable(f"too many requests waiting for sandbox {self.id} to wake",
-                              code="hold_queue_full",
-                              headers={"Retry-After": str(self.policy.retry_after_s)})
         op = self._op
-        if op is None:  # CREATING with no task is handled by the service; just yield
+        if op is None:
             await asyncio.sleep(0.01)
             return
-        remaining = self.policy.wake_deadline - (time.monotonic() - started)
-        if remaining <= 0:
-            raise WakeTimeout(f"sandbox {self.id} did not wake within "
-                              f"{self.policy.wake_deadline:.0f}s")
         self.holds.held += 1
         try:
-            await asyncio.wait_for(asyncio.shield(op), remaining)
+            await asyncio.wait_for(asyncio.shield(op), timeout)
         except TimeoutError as exc:
             self.metrics.events["wake_timeout"] += 1
             raise WakeTimeout(f"sandbox {self.id} did not wake within "
-                              f"{self.policy.wake_deadline:.0f}s") from exc
+                              f"{self.core.policy.wake_deadline:g}s") from exc
         finally:
             self.holds.held -= 1
 
-    # -- restore ---------------------------------------------------------------------
+    # -- operations -------------------------------------------------------------------
 
-    def _start_restore(self, cause: str) -> asyncio.Task:
-        if self._op is None:
-            cold = self.state is State.FAILED
-            self.rec = self.registry.transition(self.id, Event.WAKE, cause)
-            self._op = self._spawn(self._restore(cold), f"restore-{self.id}")
-        return self._op
-
-    async def _restore(self, cold: bool) -> None:
-        try:
-            try:
-                ms = await (self.machine.cold_boot() if cold else self.machine.wake())
-            except RestoreError as exc:
-                self.metrics.events["restore_failed"] += 1
-                if exc.guest_started or cold:
-                    self._set(Event.SNAPSHOT_LOST, f"restore failed: {exc}", failure=str(exc))
-                else:
-                    self._set(Event.RESTORE_FAILED, f"restore failed: {exc}", failure=str(exc))
-                raise RestoreFailed(f"sandbox {self.id} could not be restored: {exc}") from exc
-            except Exception as exc:
-                self.metrics.events["restore_failed"] += 1
-                self._set(Event.RESTORE_FAILED, f"restore failed: {exc!r}", failure=str(exc))
-                raise RestoreFailed(f"sandbox {self.id} could not be restored: {exc}") from exc
-            self.metrics.events["cold_boot" if cold else "restore"] += 1
-            self.metrics.restore_seconds.observe(ms / 1000)
-            vmm = self.machine.vmm_record()
-            self._set(Event.RESTORED, "cold boot of its disk" if cold else "restored snapshot",
-                      vmm=vmm.__dict__ if vmm else None, failure=None,
-                      restore_count=self.rec.restore_count + 1, last_restore_ms=round(ms, 1))
-            self.touch()
-        finally:
-            self._op = None
-
-    # -- suspend ---------------------------------------------------------------------
+    async def create(self) -> None:
+        """Create the sandbox's VM (a detached operation); raises what the create raised."""
+        self._run(self.core.begin_create())
+        assert self._op is not None
+        await asyncio.shield(self._op)
 
     def start_suspend(self, cause: str) -> asyncio.Task:
         """Begin a suspend (RUNNING only). Returns the operation's task."""
-        if self.state is not State.RUNNING or self._op is not None:
-            raise Conflict(f"sandbox {self.id} is {self.state.value}", code="not_running")
-        self._cancel_suspend = False
-        self.rec = self.registry.transition(self.id, Event.SUSPEND, cause)
-        self._op = self._spawn(self._suspend(), f"suspend-{self.id}")
+        for cmd in self._run(self.core.handle(c.SuspendRequested(cause))):
+            if isinstance(cmd, c.Reject):
+                raise cmd.error
+        assert self._op is not None
         return self._op
 
-    async def _suspend(self) -> None:
-        started = time.monotonic()
-        try:
-            # Drain: requests already admitted finish first; new ones are held meanwhile.
-            # Open streams (terminals, WebSockets) can last forever: give up after a bound.
-            drain_deadline = time.monotonic() + self.policy.drain_timeout
-            while self.active or self.streams:
-                if self._cancel_suspend or time.monotonic() > drain_deadline:
-                    self._cancel_suspend = True
-                    break
-                await asyncio.sleep(0.005)
-            if self._cancel_suspend or self.entering:
-                self.metrics.events["suspend_cancelled"] += 1
-                self._set(Event.SUSPEND_ABORTED,
-                          "requests still in flight, or one arrived before the snapshot")
-                return
-            try:
-                await self.machine.suspend()
-            except Exception as exc:
-                await self._suspend_failed(exc)
-                return
-            ms = (time.monotonic() - started) * 1000
-            self.metrics.events["suspend"] += 1
-            self.metrics.suspend_seconds.observe(ms / 1000)
-            self._set(Event.SUSPENDED, "snapshot written; VMM exited", vmm=None,
-                      suspend_count=self.rec.suspend_count + 1, last_suspend_ms=round(ms, 1))
-        finally:
-            self._op = None
-        if self.entering:  # requests arrived while the snapshot was being written
-            self._start_restore(cause="a request arrived during the suspend")
+    def close(self) -> None:
+        """Stop watching the VMM (the daemon is stopping; the VMM keeps running)."""
+        self._stop_watch()
 
-    async def _suspend_failed(self, exc: Exception) -> None:
-        log.warning("suspend of %s failed: %s", self.id, exc)
-        try:
-            await self.machine.abort_suspend()
-        except Exception as resume_exc:
-            self._set(Event.SUSPEND_FAILED, f"suspend failed ({exc}); VM lost ({resume_exc})",
-                      failure=str(exc), vmm=None)
-        else:
-            self._set(Event.SUSPEND_ABORTED, f"suspend failed, VM resumed: {exc}")
-
-    # -- destroy -----------------------------------------------------------------------
+    async def idle_check(self) -> None:
+        now, timeout = time.monotonic(), self.rec.idle_timeout
+        if not self._run(self.core.handle(c.IdleTick(now, timeout))):
+            return
+        busy = False
+        agent = getattr(self.machine, "agent", None)
+        if agent is not None:
+            health = await agent.health(timeout=5)
+            busy = bool(health.running or health.veto)
+        self._run(self.core.handle(c.GuestProbed(busy, time.monotonic(), timeout)))
 
     async def destroy(self, cause: str) -> None:
         """Wait for any operation, then destroy. Held requests then see 404."""
         while self._op is not None:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._op)
-        self.rec = self.registry.transition(self.id, Event.DESTROY, cause, vmm=None)
+        self._stop_watch()
+        self._run(self.core.handle(c.DestroyRequested(cause)))
         await self.machine.destroy()
 
     async def wait_op(self) -> None:
@@ -320,12 +239,138 @@ class SandboxController:
         if op is not None:
             await asyncio.shield(op)
 
-    # -- helpers -------------------------------------------------------------------------
+    def _start(self, op: c.Op) -> None:
+        coro = {c.Op.CREATE: self._create_op, c.Op.SUSPEND: self._suspend_op}.get(op)
+        self._op = self._spawn(coro() if coro else self._restore_op(op),
+                               f"{op.value}-{self.id}")
 
-    def _set(self, event: Event, cause: str, **updates: Any) -> None:
-        self.rec = self.registry.transition(self.id, event, cause, **updates)
+    def _end_op(self) -> None:
+        if self._op is asyncio.current_task():
+            self._op = None
 
-    def _update(self, **updates: Any) -> SandboxRecord:
+    async def _create_op(self) -> None:
+        try:
+            try:
+                await self.machine.create()
+            except BaseException as exc:
+                self._run(self.core.handle(c.CreateFailed(str(exc) or type(exc).__name__)))
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.machine.destroy())
+                raise
+            self._run(self.core.handle(c.CreateFinished(self._vmm())))
+        finally:
+            self._end_op()
+
+    async def _restore_op(self, op: c.Op) -> None:
+        cold = op is c.Op.COLD_BOOT
+        try:
+            try:
+                ms = await (self.machine.cold_boot() if cold else self.machine.wake())
+            except Exception as exc:
+                self.metrics.events["restore_failed"] += 1
+                err = exc if isinstance(exc, RestoreError) else None
+                self._run(self.core.handle(c.RestoreFailedEvent(
+                    str(exc) or repr(exc), guest_started=bool(err and err.guest_started),
+                    snapshot_unusable=bool(err and err.snapshot_unusable))))
+                raise RestoreFailed(f"sandbox {self.id} could not be restored: "
+                                    f"{c.public_cause(str(exc))}") from exc
+            self.metrics.events["cold_boot" if cold else "restore"] += 1
+            self.metrics.restore_seconds.observe(ms / 1000)
+            self._run(self.core.handle(c.RestoreFinished(ms, self._vmm())))
+        finally:
+            self._end_op()
+
+    async def _suspend_op(self) -> None:
+        started = time.monotonic()
+        try:
+            while True:
+                cmds = self._run(self.core.handle(c.DrainTick(time.monotonic())))
+                if not cmds or not isinstance(cmds[-1], c.WaitDrain):
+                    break
+                await asyncio.sleep(DRAIN_POLL_S)
+            if not cmds or not isinstance(cmds[-1], c.WriteSnapshot):
+                self.metrics.events["suspend_cancelled"] += 1
+                return
+            self._stop_watch()  # from here on the VMM exits on purpose
+            try:
+                await self.machine.suspend()
+            except Exception as exc:
+                log.warning("suspend of %s failed: %s", self.id, exc)
+                alive = await self._resume_after_failed_suspend()
+                self._run(self.core.handle(c.SuspendFailed(str(exc), vm_alive=alive)))
+                return
+            ms = (time.monotonic() - started) * 1000
+            self.metrics.events["suspend"] += 1
+            self.metrics.suspend_seconds.observe(ms / 1000)
+            self._run(self.core.handle(c.SnapshotWritten(ms)))
+        finally:
+            self._end_op()
+
+    async def _resume_after_failed_suspend(self) -> bool:
+        try:
+            await self.machine.abort_suspend()
+        except Exception as exc:
+            log.warning("sandbox %s: VM lost after a failed suspend: %s", self.id, exc)
+            return False
+        vmm = self._vmm()
+        if vmm:
+            self._start_watch(vmm["pid"])
+        return True
+
+    # -- the VMM watcher ----------------------------------------------------------------
+
+    def _start_watch(self, pid: int) -> None:
+        self._stop_watch()
+        self._watch = ExitWatch(pid, self._vmm_exited)
+
+    def _stop_watch(self) -> None:
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.close()
+
+    def _vmm_exited(self, pid: int) -> None:
+        log.warning("sandbox %s: VMM pid %d exited", self.id, pid)
+        self._watch = None
+        self.metrics.events["vmm_exited"] += 1
+        self._run(self.core.handle(c.VMMExited(pid)))
+
+    # -- executing commands ----------------------------------------------------------------
+
+    def run(self, cmds: Sequence[c.Command]) -> list[c.Command]:
+        return self._run(cmds)
+
+    def _run(self, cmds: Sequence[c.Command]) -> list[c.Command]:
+        """Execute the commands that need no waiting; return the others for the caller."""
+        rest: list[c.Command] = []
+        for cmd in cmds:
+            if isinstance(cmd, c.Record):
+                self.rec = self.registry.transition(self.id, cmd.event, cmd.cause, **cmd.fields)
+                if cmd.fields.get("failure"):
+                    log.warning("sandbox %s: %s", self.id, cmd.cause)
+            elif isinstance(cmd, c.StartOp):
+                self._start(cmd.op)
+            elif isinstance(cmd, c.Touch):
+                self._touch()
+            elif isinstance(cmd, c.Watch):
+                self._start_watch(cmd.pid)
+            elif isinstance(cmd, c.AbortRequests):
+                self._abort_requests(cmd.error)
+            else:
+                rest.append(cmd)
+        return rest
+
+    def _abort_requests(self, error: ApiError) -> None:
+        for task in list(self._admitted):
+            if task not in self._aborted:
+                self._aborted[task] = error
+                task.cancel()
+
+    def _touch(self) -> None:
         # On every request's end: write, but do not read the row back.
-        self.registry.update(self.id, **updates)
-        return dataclasses.replace(self.rec, **updates)
+        now = time.time()
+        self.registry.update(self.id, last_activity=now)
+        self.rec = dataclasses.replace(self.rec, last_activity=now)
+
+    def _vmm(self) -> dict[str, Any] | None:
+        vmm = self.machine.vmm_record()
+        return dict(vmm.__dict__) if vmm else None

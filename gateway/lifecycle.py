@@ -67,6 +67,7 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (S.RESTORING, E.RESTORED): S.RUNNING,
     (S.RESTORING, E.RESTORE_FAILED): S.SUSPENDED,
     (S.RESTORING, E.SNAPSHOT_LOST): S.FAILED,
+    (S.SUSPENDED, E.SNAPSHOT_LOST): S.FAILED,  # found missing or used at start-up
     (S.FAILED, E.WAKE): S.RESTORING,
 }
 for _state in State:

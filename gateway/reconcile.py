@@ -1,28 +1,11 @@
-"""Start-up reconciliation: make the registry and the host agree again.
+"""Start-up recovery: make the registry and the host agree again.
 
 The registry records every transition before it is acted on, so after a crash
 (``kill -9`` at any moment) each sandbox's recorded state says what was in
-progress. For each one we look at reality (is its VMM alive? is its snapshot
-complete?) and roll the transition forward or back:
-
-=========== =============== ==================================================
-recorded    VMM alive?      outcome
-=========== =============== ==================================================
-RUNNING     yes             re-adopt (QMP socket + agent)
-RUNNING     no              FAILED (crashed); the next request cold-boots its disk
-CREATING    any             kill, remove resources, FAILED
-SUSPENDING  yes, snapshot   kill the paused VMM -> SUSPENDED (roll forward)
-            complete
-SUSPENDING  yes, no         resume the VM -> RUNNING (roll back)
-            snapshot
-SUSPENDING  no              SUSPENDED if the snapshot is complete, else FAILED
-RESTORING   yes             re-adopt, re-init the guest -> RUNNING
-RESTORING   no              SUSPENDED (retry on next request) if the snapshot is
-                            still there, else FAILED
-SUSPENDED,  yes             kill it (nothing should be running)
-FAILED
-DESTROYED   -               remove whatever is left
-=========== =============== ==================================================
+progress. This module only gathers facts (is the recorded VMM alive and still
+ours? is the snapshot complete and unused?) and executes what the sandbox's
+core decides from them: the decisions are the ``RECOVERY`` table in
+``gateway.core`` (rendered in docs/operations.md), tested event -> command.
 
 Then VMM processes under our data directory that no sandbox owns are killed,
 and namespaces of golden-snapshot builds that nothing uses are removed.
@@ -34,27 +17,28 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 from pathlib import Path
 
-from gateway.lifecycle import Event, State
+from gateway import core as c
+from gateway.controller import SandboxController
+from gateway.lifecycle import State
 from gateway.registry import SandboxRecord
 from gateway.sandboxes import SandboxService
 from vmctl import network, store
 from vmctl.driver import kill_pid, pid_alive
-from vmctl.machine import Machine
 from vmctl.spec import VMMRecord
 
 log = logging.getLogger(__name__)
+ADOPT_HEALTH_TIMEOUT_S = 10.0
 
 
 async def reconcile(service: SandboxService) -> None:
     owned: set[int] = set()
     for rec in service.registry.list(include_destroyed=True):
         try:
-            pid = await _reconcile_one(service, rec)
+            pid = await _recover(service, rec)
         except Exception:
-            log.exception("reconciling sandbox %s", rec.id)
+            log.exception("recovering sandbox %s", rec.id)
             continue
         if pid:
             owned.add(pid)
@@ -62,100 +46,87 @@ async def reconcile(service: SandboxService) -> None:
     await _remove_unused_build_namespaces()
 
 
-async def _reconcile_one(service: SandboxService, rec: SandboxRecord) -> int | None:
+async def _recover(service: SandboxService, rec: SandboxRecord) -> int | None:
     """Returns the pid of a VMM that was kept (adopted)."""
     record = VMMRecord(**rec.vmm) if rec.vmm else None
     alive = record is not None and _is_our_vmm(record.pid, rec.root)
-    if rec.state is State.DESTROYED:
-        netns = f"{network.NETNS_PREFIX}{rec.id}"
-        if Path(rec.root).exists() or netns in network.list_namespaces():
-            await _kill(record, alive)
-            await _machine(service, rec).destroy()
+    if rec.state is State.DESTROYED and not alive and not _leftovers(rec):
         return None
-    machine = _machine(service, rec)
-    state = rec.state
-    if state is State.RUNNING:
-        if alive and await _adopt(machine, record):
-            _keep(service, rec, machine)
-            return record.pid  # type: ignore[union-attr]
-        return _fail(service, rec, Event.CRASHED, "VMM gone after daemon restart")
-    if state is State.CREATING:
-        await _kill(record, alive)
-        await machine.destroy()
-        service.registry.transition(rec.id, Event.CREATE_FAILED, "daemon stopped mid-create",
-                                    failure="interrupted create", vmm=None)
-        return None
-    await network_ready(service, rec)
-    if state is State.SUSPENDING:
-        return await _finish_suspend(service, rec, machine, record, alive)
-    if state is State.RESTORING:
-        if alive and await _adopt(machine, record):
-            await machine._init_guest()
-            shutil.rmtree(machine.snapshot_dir, ignore_errors=True)
-            service.registry.transition(rec.id, Event.RESTORED, "restore finished (adopted)")
-            _keep(service, rec, machine)
-            return record.pid  # type: ignore[union-attr]
-        if _snapshot_complete(machine):
-            service.registry.transition(rec.id, Event.RESTORE_FAILED,
-                                        "daemon stopped mid-restore", vmm=None)
+    ctl = service.controller(rec)
+    found = c.Recovered(vmm_alive=alive, snapshot=_snapshot(service, ctl, rec))
+    if rec.state not in (State.CREATING, State.DESTROYED):
+        await network_ready(service, rec)
+    before = ctl.state
+    await _execute(ctl, ctl.core.handle(found), record)
+    if ctl.state is not before:
+        log.info("sandbox %s: %s -> %s (%s)", rec.id, before.value, ctl.state.value,
+                 ctl.rec.failure or "recovered")
+    if ctl.state is State.DESTROYED:
+        service.forget(rec.id)
+    return ctl.core.vmm_pid
+
+
+async def _execute(ctl: SandboxController, cmds: list[c.Command],
+                   record: VMMRecord | None) -> None:
+    """Run the recovery commands; the plan's own step reports back to the core."""
+    pending = ctl.run(cmds)
+    reported = False
+    while pending:
+        cmd = pending.pop(0)
+        if isinstance(cmd, c.RemoveResources):
+            await ctl.machine.destroy()  # type: ignore[attr-defined]
+            continue
+        assert isinstance(cmd, c.RunStep), cmd
+        try:
+            vmm = await _step(ctl, cmd.step, record)
+        except Exception as exc:
+            if reported:
+                raise
+            log.warning("sandbox %s: %s failed: %s", ctl.id, cmd.step.value, exc)
+            event: object = c.RecoveryStepFailed(str(exc) or type(exc).__name__)
         else:
-            _fail(service, rec, Event.SNAPSHOT_LOST, "daemon stopped mid-restore; no snapshot")
+            event = c.RecoveryStepDone(vmm)
+        if not reported:
+            reported = True
+            pending = [*ctl.run(ctl.core.handle(event)), *pending]
+
+
+async def _step(ctl: SandboxController, step: c.Step,
+                record: VMMRecord | None) -> dict | None:
+    machine = ctl.machine
+    if step in (c.Step.KILL, c.Step.DISCARD):
+        if record is not None and pid_alive(record.pid):
+            await kill_pid(record.pid, timeout=2.0)
+        if step is c.Step.DISCARD:
+            await machine.destroy()  # type: ignore[attr-defined]
         return None
-    await _kill(record, alive)  # SUSPENDED / FAILED: nothing should run
-    if record:
-        service.registry.update(rec.id, vmm=None)
-    return None
-
-
-async def _finish_suspend(service: SandboxService, rec: SandboxRecord, machine: Machine,
-                          record: VMMRecord | None, alive: bool) -> int | None:
-    complete = _snapshot_complete(machine, newer_than=_last_transition_at(service, rec))
-    if complete:
-        await _kill(record, alive)
-        service.registry.transition(rec.id, Event.SUSPENDED, "suspend finished (reconciled)",
-                                    vmm=None)
-        return None
-    if alive and await _adopt(machine, record, health=False):
-        await machine.abort_suspend()
-        await machine.require_agent().health(timeout=10)
-        service.registry.transition(rec.id, Event.SUSPEND_ABORTED, "daemon stopped mid-suspend")
-        _keep(service, rec, machine)
-        return record.pid  # type: ignore[union-attr]
-    _fail(service, rec, Event.SUSPEND_FAILED, "daemon and VMM stopped mid-suspend")
-    return None
-
-
-def _machine(service: SandboxService, rec: SandboxRecord) -> Machine:
-    return Machine(service.plan(rec), service.backend)
-
-
-def _keep(service: SandboxService, rec: SandboxRecord, machine: Machine) -> None:
-    fresh = service.registry.get(rec.id) or rec
-    service.adopt_controller(fresh, machine)
-    log.info("sandbox %s: %s, VMM adopted", rec.id, fresh.state.value)
-
-
-def _fail(service: SandboxService, rec: SandboxRecord, event: Event, cause: str) -> None:
-    service.registry.transition(rec.id, event, cause, failure=cause, vmm=None)
-    log.warning("sandbox %s: %s", rec.id, cause)
-
-
-async def _adopt(machine: Machine, record: VMMRecord | None, health: bool = True) -> bool:
     assert record is not None
+    await machine.adopt(record)  # type: ignore[attr-defined]
+    if step is c.Step.RESUME:
+        await machine.abort_suspend()
+    if step is c.Step.FINISH_RESTORE:
+        await machine.finish_restore()  # type: ignore[attr-defined]
+    else:
+        await machine.require_agent().health(timeout=ADOPT_HEALTH_TIMEOUT_S)  # type: ignore[attr-defined]
+    return dict(record.__dict__)
+
+
+def _snapshot(service: SandboxService, ctl: SandboxController,
+              rec: SandboxRecord) -> c.Snapshot:
+    """USABLE: complete, never resumed from, and (mid-suspend) written by this suspend."""
+    directory = ctl.machine.snapshot_dir  # type: ignore[attr-defined]
     try:
-        await machine.adopt(record)
-        if health:
-            await machine.require_agent().health(timeout=10)
-        return True
-    except Exception as exc:
-        log.warning("could not adopt VMM %d: %s", record.pid, exc)
-        await machine.kill_recorded(record)
-        return False
+        _, manifest = store.load(directory, verify=False)
+    except Exception:
+        return c.Snapshot.UNUSABLE
+    if rec.state is State.SUSPENDING and manifest.created_at < _last_transition_at(service, rec):
+        return c.Snapshot.UNUSABLE  # an older snapshot: not what this suspend wrote
+    return c.Snapshot.USABLE
 
 
-async def _kill(record: VMMRecord | None, alive: bool) -> None:
-    if record is not None and alive:
-        await kill_pid(record.pid, timeout=2.0)
+def _leftovers(rec: SandboxRecord) -> bool:
+    return Path(rec.root).exists() or \
+        f"{network.NETNS_PREFIX}{rec.id}" in network.list_namespaces()
 
 
 async def network_ready(service: SandboxService, rec: SandboxRecord) -> None:
@@ -163,14 +134,6 @@ async def network_ready(service: SandboxService, rec: SandboxRecord) -> None:
     slot = service.plan(rec).slot
     if slot.netns not in network.list_namespaces():
         await network.create(slot, service.backend.config.network)
-
-
-def _snapshot_complete(machine: Machine, newer_than: float = 0.0) -> bool:
-    try:
-        _, manifest = store.load(machine.snapshot_dir, verify=False)
-    except Exception:
-        return False
-    return manifest.created_at >= newer_than
 
 
 def _last_transition_at(service: SandboxService, rec: SandboxRecord) -> float:

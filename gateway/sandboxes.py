@@ -25,7 +25,7 @@ from typing import Any
 from gateway.config import Config
 from gateway.controller import HoldCounter, SandboxController, Wake, WakePolicy
 from gateway.errors import BadRequest, Conflict, SandboxNotFound, TemplateNotFound, Unavailable
-from gateway.lifecycle import Event, State
+from gateway.lifecycle import State
 from gateway.metrics import Metrics
 from gateway.registry import Registry, SandboxRecord
 from vmctl import network
@@ -81,29 +81,10 @@ class SandboxService:
             raise TemplateNotFound(f"template {template!r} not found; available: "
                                    f"{', '.join(sorted(self.goldens)) or 'none'}")
         rec = self._reserve(tenant, template, golden, metadata, idle_timeout)
-        ctl = self._controller(rec)
+        ctl = self.controller(rec)
         # The creation runs detached: a client that disconnects does not leave a half-made VM.
-        ctl._op = self.spawn(self._create(ctl), f"create-{rec.id}")
-        await asyncio.shield(ctl._op)
+        await ctl.create()
         return ctl.rec
-
-    async def _create(self, ctl: SandboxController) -> None:
-        machine = ctl.machine
-        try:
-            await machine.create()  # type: ignore[attr-defined]
-        except BaseException as exc:
-            ctl.rec = self.registry.transition(ctl.id, Event.CREATE_FAILED,
-                                               f"create failed: {exc!r}",
-                                               failure=str(exc) or type(exc).__name__)
-            with contextlib.suppress(Exception):
-                await asyncio.shield(machine.destroy())
-            raise
-        finally:
-            ctl._op = None
-        vmm = machine.vmm_record()
-        ctl.rec = self.registry.transition(ctl.id, Event.CREATED, "restored from golden snapshot",
-                                           vmm=vmm.__dict__ if vmm else None)
-        ctl.touch()
 
     def _reserve(self, tenant: str, template: str, golden: Golden, metadata: dict[str, Any],
                  idle_timeout: float | None) -> SandboxRecord:
@@ -139,9 +120,9 @@ class SandboxService:
         return None
 
     async def destroy(self, tenant: str, sandbox_id: str) -> None:
-        ctl = self._controller(self.get(tenant, sandbox_id))
+        ctl = self.controller(self.get(tenant, sandbox_id))
         await ctl.destroy("deleted by API")
-        self._controllers.pop(sandbox_id, None)
+        self.forget(sandbox_id)
 
     def update(self, tenant: str, sandbox_id: str, idle_timeout: float | None,
                metadata: dict[str, Any] | None) -> SandboxRecord:
@@ -153,7 +134,7 @@ class SandboxService:
             changes["metadata"] = metadata
         if changes:
             self.registry.update(rec.id, **changes)
-        ctl = self._controller(self.registry.get(rec.id) or rec)
+        ctl = self.controller(self.registry.get(rec.id) or rec)
         ctl.rec = self.registry.get(rec.id) or rec
         return ctl.rec
 
@@ -162,7 +143,7 @@ class SandboxService:
     @contextlib.asynccontextmanager
     async def use(self, tenant: str, sandbox_id: str) -> AsyncIterator[Machine]:
         """Hold a running sandbox for one request, waking it first if it sleeps."""
-        ctl = self._controller(self.get(tenant, sandbox_id))
+        ctl = self.controller(self.get(tenant, sandbox_id))
         async with ctl.request() as wake:
             current_wake.set(wake)
             yield ctl.machine  # type: ignore[misc]
@@ -170,13 +151,13 @@ class SandboxService:
     @contextlib.asynccontextmanager
     async def use_stream(self, tenant: str, sandbox_id: str) -> AsyncIterator[Machine]:
         """Like ``use`` for long-lived connections (WebSockets, terminals): not paced."""
-        ctl = self._controller(self.get(tenant, sandbox_id))
+        ctl = self.controller(self.get(tenant, sandbox_id))
         async with ctl.stream() as wake:
             current_wake.set(wake)
             yield ctl.machine  # type: ignore[misc]
 
     async def suspend(self, tenant: str, sandbox_id: str) -> SandboxRecord:
-        ctl = self._controller(self.get(tenant, sandbox_id))
+        ctl = self.controller(self.get(tenant, sandbox_id))
         if ctl.state is State.SUSPENDED:
             return ctl.rec
         await ctl.wait_op()
@@ -199,22 +180,9 @@ class SandboxService:
             await asyncio.sleep(IDLE_SCAN_S)
             for ctl in list(self._controllers.values()):
                 try:
-                    await self._maybe_suspend(ctl)
+                    await ctl.idle_check()
                 except Exception:
                     log.exception("idle check of %s", ctl.id)
-
-    async def _maybe_suspend(self, ctl: SandboxController) -> None:
-        timeout = ctl.rec.idle_timeout
-        if ctl.state is not State.RUNNING or timeout <= 0 or ctl.idle_for() < timeout:
-            return
-        agent = getattr(ctl.machine, "agent", None)
-        if agent is not None:
-            health = await agent.health(timeout=5)
-            if health.running or health.veto:
-                ctl.touch()  # busy inside the guest: check again after another idle period
-                return
-        if ctl.state is State.RUNNING and ctl.idle_for() >= timeout:
-            ctl.start_suspend(f"idle for {timeout:g}s")
 
     # -- tasks and lifecycle -------------------------------------------------------------
 
@@ -245,6 +213,7 @@ class SandboxService:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
         for ctl in self._controllers.values():
+            ctl.close()
             agent, ctl.machine.agent = ctl.machine.agent, None  # type: ignore[attr-defined]
             if agent is not None:
                 await agent.aclose()
@@ -252,7 +221,8 @@ class SandboxService:
 
     # -- helpers -----------------------------------------------------------------------
 
-    def _controller(self, rec: SandboxRecord) -> SandboxController:
+    def controller(self, rec: SandboxRecord) -> SandboxController:
+        """The one controller of a sandbox (made on first use, from its registry row)."""
         ctl = self._controllers.get(rec.id)
         if ctl is None:
             machine = Machine(self.plan(rec), self.backend)
@@ -261,11 +231,10 @@ class SandboxService:
             self._controllers[rec.id] = ctl
         return ctl
 
-    def adopt_controller(self, rec: SandboxRecord, machine: Machine) -> SandboxController:
-        ctl = SandboxController(rec, machine, self.registry, self.policy, self.holds, self.spawn,
-                                self.metrics)
-        self._controllers[rec.id] = ctl
-        return ctl
+    def forget(self, sandbox_id: str) -> None:
+        ctl = self._controllers.pop(sandbox_id, None)
+        if ctl is not None:
+            ctl.close()
 
     def golden_for(self, rec: SandboxRecord) -> Golden:
         """The golden snapshot a sandbox was made from (older builds stay loadable)."""

@@ -324,6 +324,30 @@ async def errors_to_json(
         return _json(error_body("internal", f"{type(exc).__name__}: {exc}"), 500)
 
 
+# Requests whose success is an acknowledgement of data: answered only after the
+# guest's filesystems are flushed to the virtual disk (which QEMU then flushes),
+# so an acknowledged write survives any later crash of the VM, the VMM or the
+# daemon, and a cold boot of the disk. Streamed responses cannot wait for it.
+_NOT_DURABLE = {"/init", "/sync", "/health"}
+
+
+@web.middleware
+async def durable_acks(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    resp = await handler(request)
+    if request.method in ("POST", "PUT", "DELETE", "PATCH") and resp.status < 400 \
+            and not resp.prepared and request.path not in _NOT_DURABLE:
+        await asyncio.to_thread(os.sync)
+    return resp
+
+
+async def sync(request: web.Request) -> web.Response:
+    """Flush every filesystem (the host asks before it snapshots the VM)."""
+    await asyncio.to_thread(os.sync)
+    return web.Response(status=204)
+
+
 def create_app(
     *,
     keepawake_dir: str | None = None,
@@ -335,13 +359,15 @@ def create_app(
 
     ``python`` runs interpreter contexts (default: the agent's own interpreter)."""
     agent = Agent(keepawake_dir or veto_dir(), setters or restore.SystemSetters(), shell, python)
-    app = web.Application(middlewares=[errors_to_json], client_max_size=MAX_JSON_BYTES)
+    app = web.Application(middlewares=[errors_to_json, durable_acks],
+                          client_max_size=MAX_JSON_BYTES)
     app.cleanup_ctx.append(agent.lifespan)
     app.on_shutdown.append(agent.on_shutdown)
     router = app.router
     router.add_get("/health", agent.health, allow_head=False)
     router.add_post("/exec", agent.exec)
     router.add_post("/init", agent.init)
+    router.add_post("/sync", sync)
     router.add_get("/files", agent.get_file, allow_head=False)
     router.add_put("/files", agent.put_file)
     router.add_delete("/files", agent.delete_file)

@@ -163,6 +163,11 @@ def _commit(f: BinaryIO, tmp: str, target: str) -> None:
     f.flush()
     os.fsync(f.fileno())  # the rename must not land before the data does
     os.rename(tmp, target)
+    dfd = os.open(os.path.dirname(target) or "/", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)  # ... and the rename itself is on disk before we answer
+    finally:
+        os.close(dfd)
 
 
 def delete(path: str) -> None:

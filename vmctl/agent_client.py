@@ -85,6 +85,10 @@ class AgentClient:
         data = await self._json("POST", "/exec", json=req.to_dict(), timeout=req.timeout + 15)
         return ExecResult.from_dict(data)
 
+    async def sync(self, timeout: float) -> None:
+        """Flush the guest's filesystems to its disk."""
+        await self._json("POST", "/sync", timeout=timeout)
+
     async def init(self, req: InitRequest) -> None:
         await self._json("POST", "/init", json=req.to_dict(), timeout=10)
 

@@ -114,9 +114,14 @@ class Layout(abc.ABC):
 
 
 class QemuLayout(Layout):
-    """qcow2 overlays, and a per-sandbox RAM file QEMU maps shared (see drivers/qemu.py)."""
+    """qcow2 overlays, and a per-sandbox RAM file QEMU maps shared (see drivers/qemu.py).
+
+    The RAM file is the memory snapshot: a suspend records its size and mtime (and a
+    background seal adds its SHA-256), so a wake refuses a file anything wrote to or
+    truncated since the suspend, even before the seal has finished."""
 
     disk_name = "disk.qcow2"
+    suspend_stat_checked = ("memory", "disk")
 
     async def golden_disk(self, rootfs: Path, directory: Path) -> Path:
         path = self.disk(directory)

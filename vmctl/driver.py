@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 
@@ -53,9 +54,17 @@ class Driver(abc.ABC):
         """Start a fresh VM from its kernel and disk."""
         await self._start(spec, self._boot)
 
-    async def restore(self, snapshot: SnapshotFiles, spec: VMSpec) -> None:
-        """Start a new VMM process from ``snapshot`` and leave the guest running."""
-        await self._start(spec, lambda s: self._restore(snapshot, s))
+    async def restore(self, snapshot: SnapshotFiles, spec: VMSpec,
+                      before_resume: Callable[[], None] | None = None) -> None:
+        """Start a new VMM process from ``snapshot`` and leave the guest running.
+
+        ``before_resume`` runs after the state has loaded and just before the guest
+        may execute (the last moment the snapshot is still unused)."""
+        await self._start(spec, lambda s: self._restore(snapshot, s, before_resume or _nothing))
+
+    async def finish_restore(self, before_resume: Callable[[], None]) -> None:
+        """On an adopted VMM that was restoring: wait for the load, then let the guest run."""
+        await self._finish_restore(before_resume)
 
     async def adopt(self, record: VMMRecord, spec: VMSpec) -> None:
         """Take control of a VMM that a previous daemon started (raises VMGoneError if dead)."""
@@ -140,7 +149,11 @@ class Driver(abc.ABC):
     async def _boot(self, spec: VMSpec) -> None: ...
 
     @abc.abstractmethod
-    async def _restore(self, snapshot: SnapshotFiles, spec: VMSpec) -> None: ...
+    async def _restore(self, snapshot: SnapshotFiles, spec: VMSpec,
+                       before_resume: Callable[[], None]) -> None: ...
+
+    @abc.abstractmethod
+    async def _finish_restore(self, before_resume: Callable[[], None]) -> None: ...
 
     @abc.abstractmethod
     async def _adopt(self, record: VMMRecord) -> None: ...
@@ -157,6 +170,10 @@ class Driver(abc.ABC):
     @abc.abstractmethod
     async def _quit(self) -> None:
         """Ask the VMM to exit (best effort; the base class kills it if this fails)."""
+
+
+def _nothing() -> None:
+    pass
 
 
 def pid_alive(pid: int) -> bool:

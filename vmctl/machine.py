@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from guest.protocol import InitRequest
-from vmctl import network, store
+from vmctl import faults, network, store
 from vmctl.agent_client import AgentClient
 from vmctl.backend import Backend
 from vmctl.driver import Driver, kill_pid, pid_alive
@@ -53,14 +53,21 @@ class MachinePlan:
 
 
 class RestoreError(VmctlError):
-    """A wake failed. ``guest_started``: the guest ran, so its snapshot is spent."""
+    """A wake failed. ``guest_started``: the guest ran, so its snapshot is spent.
+    ``snapshot_unusable``: the snapshot is corrupt, missing, truncated, already used,
+    or its device state did not load; retrying it cannot help."""
 
     code = "restore_failed"
     status = 502
 
-    def __init__(self, message: str, guest_started: bool) -> None:
+    def __init__(self, message: str, guest_started: bool,
+                 snapshot_unusable: bool = False) -> None:
         super().__init__(message)
         self.guest_started = guest_started
+        self.snapshot_unusable = snapshot_unusable
+
+
+SYNC_TIMEOUT_S = 20.0  # guest filesystems flushed before a snapshot (cold-boot fallback)
 
 
 class Machine:
@@ -104,6 +111,7 @@ class Machine:
         *before* the VMM is stopped, so a crash in between leaves either a running
         VM or a complete snapshot of a paused one, never neither."""
         assert self.driver is not None
+        await self._sync_guest()
         await self._close_agent()
         layout = self.backend.layout
         tmp = self.plan.root / "snapshot.tmp"
@@ -114,6 +122,7 @@ class Machine:
                                 stat_roles=layout.suspend_stat_checked)
         shutil.rmtree(self.snapshot_dir, ignore_errors=True)
         os.replace(tmp, self.snapshot_dir)
+        faults.point("suspend.written")
         await self.driver.destroy()
         self.driver = None
         self._start_seal()
@@ -153,8 +162,8 @@ class Machine:
         try:
             snap, _ = await asyncio.to_thread(store.load, self.snapshot_dir)
         except SnapshotError as exc:
-            raise RestoreError(str(exc), guest_started=False) from exc
-        await self._start_from(snap)
+            raise RestoreError(str(exc), guest_started=False, snapshot_unusable=True) from exc
+        await self._start_from(snap, consumes=self.snapshot_dir)
         # The guest now writes to the memory file and disk the snapshot described.
         shutil.rmtree(self.snapshot_dir, ignore_errors=True)
         return (time.monotonic() - started) * 1000
@@ -188,6 +197,15 @@ class Machine:
         self.driver = driver
         self.agent = AgentClient(self.plan.slot.guest_addr)
 
+    async def finish_restore(self) -> None:
+        """Finish a restore a previous daemon started (the VMM is adopted): let the guest
+        run if it does not yet, re-initialise it, and drop the snapshot it consumed."""
+        assert self.driver is not None
+        await self.driver.finish_restore(lambda: store.mark_consumed(self.snapshot_dir))
+        await self.require_agent().init_when_ready(self._init_request,
+                                                   self.backend.config.restore_timeout)
+        shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+
     async def destroy(self) -> None:
         """Remove the VMM, the namespace and every file. Idempotent."""
         try:
@@ -207,17 +225,25 @@ class Machine:
 
     # -- internals ------------------------------------------------------------------
 
-    async def _start_from(self, snap) -> None:  # type: ignore[no-untyped-def]
+    async def _start_from(self, snap, consumes: Path | None = None) -> None:  # type: ignore[no-untyped-def]
+        """Start a VMM from ``snap``. ``consumes``: the sandbox's own snapshot directory,
+        marked consumed (durably) just before the guest first runs from it, so that
+        after any crash nobody restores it again (the guest writes the memory file
+        and the disk it describes)."""
         if snap.accel is not self.backend.accel:
             raise RestoreError(f"snapshot is for {snap.accel.value}; host runs "
-                               f"{self.backend.accel.value}", guest_started=False)
+                               f"{self.backend.accel.value}", guest_started=False,
+                               snapshot_unusable=True)
         driver = self.backend.new_driver()
         self.driver = driver
+        before_resume = (lambda: store.mark_consumed(consumes)) if consumes else None
         try:
-            await driver.restore(snap, self.spec)
+            await driver.restore(snap, self.spec, before_resume=before_resume)
         except Exception as exc:
             self.driver = None
-            raise RestoreError(str(exc), guest_started=False) from exc
+            bad = isinstance(exc, SnapshotError) or isinstance(exc.__cause__, SnapshotError)
+            raise RestoreError(str(exc), guest_started=bool(consumes and store.is_consumed(
+                consumes)), snapshot_unusable=bad) from exc
         self.agent = AgentClient(self.plan.slot.guest_addr)
         try:
             timeout = self.backend.config.restore_timeout
@@ -227,6 +253,16 @@ class Machine:
             if isinstance(exc, Exception):
                 raise RestoreError(f"guest did not come back: {exc}", guest_started=True) from exc
             raise
+
+    async def _sync_guest(self) -> None:
+        """Flush the guest's filesystems, so a cold boot of the disk keeps every file
+        (best effort: the snapshot itself keeps the page cache)."""
+        if self.agent is None:
+            return
+        try:
+            await self.agent.sync(timeout=SYNC_TIMEOUT_S)
+        except Exception as exc:
+            log.warning("sandbox %s: guest sync before suspend failed: %s", self.plan.vm_id, exc)
 
     async def _init_guest(self) -> None:
         assert self.agent is not None

@@ -32,6 +32,7 @@ from vmctl.errors import SnapshotError
 from vmctl.spec import Accel, SnapshotFiles
 
 MANIFEST = "manifest.json"
+CONSUMED = "consumed"  # written (durably) just before a guest first runs from the snapshot
 _CHUNK = 1 << 20
 _verified: dict[tuple[str, int, int, int], str] = {}
 
@@ -130,11 +131,27 @@ def write_manifest(directory: Path, snap: SnapshotFiles, meta: dict[str, Any] | 
     return manifest
 
 
+def mark_consumed(directory: Path) -> None:
+    """Record, before the guest runs, that this snapshot is being resumed from: the
+    guest then writes the memory file and disk it describes, so it must never be
+    restored again (a crash after this point means: cold boot the disk)."""
+    path = directory / CONSUMED
+    path.write_bytes(b"")
+    _fsync(path)
+    _fsync(directory)
+
+
+def is_consumed(directory: Path) -> bool:
+    return (directory / CONSUMED).exists()
+
+
 def load(directory: Path, verify: bool = True) -> tuple[SnapshotFiles, Manifest]:
     """Read and (by default) verify a snapshot; raise SnapshotError if unusable."""
     mpath = directory / MANIFEST
     if not mpath.is_file():
         raise SnapshotError(f"no complete snapshot in {directory}")
+    if is_consumed(directory):
+        raise SnapshotError("the snapshot was already resumed from once (its guest ran)")
     manifest = Manifest.from_json(mpath.read_bytes())
     paths = {}
     for role in ("state", "memory", "disk"):

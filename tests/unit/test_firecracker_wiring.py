@@ -350,7 +350,7 @@ def test_the_qemu_path_keeps_its_files(tmp_path: Path) -> None:
     layout = qemu.layout
     assert (layout.disk(tmp_path), layout.memory(tmp_path)) == (
         tmp_path / "disk.qcow2", tmp_path / "memory")
-    assert (layout.suspend_hashed, layout.suspend_stat_checked) == (("state",), ())
+    assert (layout.suspend_hashed, layout.suspend_stat_checked) == (("state",), ("memory", "disk"))
     image = _template(tmp_path)
     boot = qemu.boot_files(image)
     assert (boot.kernel, boot.initrd, boot.cmdline) == (image.kernel, image.initrd, CMDLINE)

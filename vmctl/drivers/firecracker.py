@@ -40,6 +40,7 @@ import re
 import shutil
 import signal
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -227,9 +228,10 @@ class FirecrackerDriver(Driver):
     def __repr__(self) -> str:
         return f"<FirecrackerDriver pid={self.pid} jailed={self.jailer is not None}>"
 
-    async def restore(self, snapshot: SnapshotFiles, spec: VMSpec) -> None:
+    async def restore(self, snapshot: SnapshotFiles, spec: VMSpec,
+                      before_resume: Callable[[], None] | None = None) -> None:
         check_snapshot(snapshot, spec)  # SnapshotError before any process exists
-        await super().restore(snapshot, spec)
+        await super().restore(snapshot, spec, before_resume)
 
     # -- Driver hooks ---------------------------------------------------------------------
 
@@ -241,7 +243,8 @@ class FirecrackerDriver(Driver):
         for method, path, body in boot_requests(spec, kernel, initrd, spec.netns is not None):
             await self._call().request(method, path, body)
 
-    async def _restore(self, snapshot: SnapshotFiles, spec: VMSpec) -> None:
+    async def _restore(self, snapshot: SnapshotFiles, spec: VMSpec,
+                       before_resume: Callable[[], None]) -> None:
         tap_override = check_snapshot(snapshot, spec)
         await _restore_disk(snapshot.disk, spec.disk)
         binary = await self._prepare(spec)
@@ -249,6 +252,7 @@ class FirecrackerDriver(Driver):
         memory = self._expose(snapshot.memory, MEMORY_FILE)
         await self._spawn(spec, binary)
         body = snapshot_load_body(state, memory, tap_override, self.version or "")
+        before_resume()  # the load resumes the VM at once (resume_vm), on the snapshot's disk
         try:
             await self._call().put("/snapshot/load", body, timeout=LOAD_TIMEOUT_S)
         except VmctlError as exc:
@@ -276,6 +280,12 @@ class FirecrackerDriver(Driver):
             self.version = parse_version(str(info.get("vmm_version", "")))
         except ValueError:
             self.version = None
+
+    async def _finish_restore(self, before_resume: Callable[[], None]) -> None:
+        info = await self._call().get("/")
+        if info.get("state") == "Paused":
+            before_resume()
+            await self._resume()
 
     async def _pause(self) -> None:
         await self._call().patch("/vm", {"state": "Paused"})

@@ -17,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import os
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 
+from vmctl import faults
 from vmctl.driver import Driver
-from vmctl.errors import SnapshotError, VMProtocolError, VMStartError, VMTimeoutError
+from vmctl.errors import SnapshotError, VMStartError, VMTimeoutError, VmctlError
 from vmctl.qmp import QMPClient
 from vmctl.spec import Accel, SnapshotFiles, VMMRecord, VMSpec
 
@@ -85,7 +87,8 @@ class QemuDriver(Driver):
     async def _boot(self, spec: VMSpec) -> None:
         await self._spawn(spec, [])
 
-    async def _restore(self, snapshot: SnapshotFiles, spec: VMSpec) -> None:
+    async def _restore(self, snapshot: SnapshotFiles, spec: VMSpec,
+                       before_resume: Callable[[], None]) -> None:
         if snapshot.driver != self.name:
             raise SnapshotError(f"snapshot was taken by {snapshot.driver!r}, not qemu")
         if snapshot.accel is not spec.accel:
@@ -93,12 +96,18 @@ class QemuDriver(Driver):
                                 f"this host runs {spec.accel.value}")
         if not snapshot.state.is_file():
             raise SnapshotError(f"snapshot state {snapshot.state} is missing")
-        await self._spawn(spec, ["-incoming", "defer"])
+        # -S: the guest stays paused after the load whatever state the stream carries,
+        # so nothing runs before ``before_resume`` has marked the snapshot consumed.
+        await self._spawn(spec, ["-S", "-incoming", "defer"])
         await self._qmp.execute("migrate-set-capabilities", {"capabilities": [
             {"capability": "x-ignore-shared", "state": True}]})
         await self._qmp.execute("migrate-incoming",
                                 {"uri": "exec:cat " + shlex.quote(str(snapshot.state))})
-        await self._wait_running(timeout=30.0)
+        faults.point("restore.loading")
+        await self._wait_running(timeout=30.0, before_resume=before_resume)
+
+    async def _finish_restore(self, before_resume: Callable[[], None]) -> None:
+        await self._wait_running(timeout=30.0, before_resume=before_resume)
 
     async def _adopt(self, record: VMMRecord) -> None:
         await self._qmp.connect(Path(record.control_socket), timeout=5.0)
@@ -117,6 +126,7 @@ class QemuDriver(Driver):
         await self._qmp.execute("migrate-set-parameters", {"max-bandwidth": 1 << 40})
         await self._qmp.execute("stop")
         await self._qmp.execute("migrate", {"uri": "exec:cat > " + shlex.quote(str(tmp))})
+        faults.point("suspend.migrating")
         await self._wait_migration(timeout=120.0)
         os.replace(tmp, final)
         return SnapshotFiles(state=final, memory=self.spec.mem_file, disk=self.spec.disk,
@@ -149,22 +159,32 @@ class QemuDriver(Driver):
             tail = _tail(log_path)
             raise VMStartError(f"QEMU did not come up: {exc}; log: {tail}") from exc
 
-    async def _wait_running(self, timeout: float) -> None:
-        """Wait for the incoming stream to load, then start the guest.
+    async def _wait_running(self, timeout: float, before_resume: Callable[[], None]) -> None:
+        """Wait for the incoming stream to load, then start the guest with ``cont``.
 
-        The stream carries the source's run state: a snapshot taken while paused
-        loads into a paused VM, which we start with ``cont``."""
+        A load that fails (QEMU exits, or ends in another state) is a SnapshotError:
+        that device state will not load next time either."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
-            status = (await self._qmp.execute("query-status")).get("status")
+            try:
+                status = (await self._qmp.execute("query-status")).get("status")
+            except VmctlError as exc:
+                if self.alive():
+                    raise
+                raise SnapshotError(f"QEMU exited while loading the device state: "
+                                    f"{_tail(self.spec.workdir / 'vmm.log') if self.spec else exc}"
+                                    ) from exc
             if status == "running":
                 return
             if status in ("paused", "postmigrate"):
+                before_resume()
+                faults.point("restore.before_cont")
                 await self._qmp.execute("cont")
+                faults.point("restore.resumed")
                 return
             if status not in ("inmigrate", "prelaunch"):
-                raise VMProtocolError(f"restore ended in state {status!r}")
+                raise SnapshotError(f"the device state did not load (QEMU is {status!r})")
             if loop.time() > deadline:
                 raise VMTimeoutError(f"restore did not finish within {timeout}s")
             await asyncio.sleep(_MIGRATION_POLL_S)
