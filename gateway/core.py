@@ -587,3 +587,22 @@ class SandboxCore:
         pid = vmm.get("pid") if vmm else None
         self.vmm_pid = pid
         return [Watch(pid)] if pid else []
+
+
+def recovery_table_markdown() -> str:
+    """``RECOVERY`` as the table in docs/operations.md (a test keeps the two equal)."""
+    rows = ["| recorded | VMM alive | snapshot | step | then | if the step fails |",
+            "|---|---|---|---|---|---|"]
+    for (state, alive, snap), plan in RECOVERY.items():
+        same = RECOVERY[(state, alive, U)] == RECOVERY[(state, alive, X)]
+        if same and snap is X:
+            continue  # shown once, as "any"
+        ok = next_state(state, plan.on_success).value if plan.on_success else state.value
+        bad = next_state(state, plan.on_failure).value if plan.on_failure else "-"
+        rows.append(f"| {state.value} | {'yes' if alive else 'no'} | "
+                    f"{'any' if same else snap.value} | {plan.step.value} | {ok} | {bad} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(recovery_table_markdown())

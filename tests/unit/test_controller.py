@@ -242,3 +242,76 @@ async def test_suspend_gives_up_on_streams_that_stay_open(registry):
     assert ctl.state is State.RUNNING and m.suspends == 0
     release.set()
     await t
+
+
+class ProcessMachine(FakeMachine):
+    """A fake machine whose "VMM" is a real process, so the pidfd watcher sees it die."""
+
+    def __init__(self):
+        super().__init__()
+        self.proc = None
+
+    async def _start_vmm(self):
+        self.proc = await asyncio.create_subprocess_exec("sleep", "600")
+
+    async def wake(self):
+        await self._start_vmm()
+        return await super().wake()
+
+    async def cold_boot(self):
+        await self._start_vmm()
+        return await super().cold_boot()
+
+    def vmm_record(self):
+        class Rec:
+            def __init__(self, pid):
+                self.pid = pid
+        return Rec(self.proc.pid) if self.proc else None
+
+    async def kill_vmm(self):
+        self.proc.kill()
+        await self.proc.wait()
+
+
+async def test_vmm_death_answers_inflight_requests_at_once_and_next_request_cold_boots(registry):
+    from gateway.controller import VMLost
+
+    m = ProcessMachine()
+    ctl, _ = make(registry, machine=m)
+    started = asyncio.Event()
+
+    async def long_request():
+        async with ctl.request():
+            started.set()
+            await asyncio.sleep(300)  # e.g. a proxied request to a guest that stops answering
+
+    req = asyncio.ensure_future(long_request())
+    await started.wait()
+    t0 = time.monotonic()
+    await m.kill_vmm()
+    with pytest.raises(VMLost) as err:
+        await asyncio.wait_for(req, 5)
+    assert time.monotonic() - t0 < 2 and err.value.headers["Retry-After"]
+    assert ctl.state is State.FAILED and ctl.active == 0
+    assert registry.get("sb1").failure == "VMM exited unexpectedly"
+    assert [t["event"] for t in registry.transitions("sb1")][-1] == "crashed"
+    await one_request(ctl)  # the next request cold-boots the disk
+    assert m.cold_boots == 1 and ctl.state is State.RUNNING
+    await m.kill_vmm()
+    await asyncio.sleep(0.05)
+    assert ctl.state is State.FAILED
+    ctl.close()
+
+
+async def test_a_suspend_stops_watching_before_the_vmm_exits_on_purpose(registry):
+    m = ProcessMachine()
+    ctl, _ = make(registry, machine=m)
+    await one_request(ctl)
+
+    async def suspend():  # the real machine's VMM exits as part of the suspend
+        await m.kill_vmm()
+    m.suspend = suspend
+    await ctl.start_suspend("test")
+    await asyncio.sleep(0.05)
+    assert ctl.state is State.SUSPENDED
+    assert "crashed" not in [t["event"] for t in registry.transitions("sb1")]
