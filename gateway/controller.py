@@ -184,8 +184,11 @@ class SandboxController:
             await asyncio.sleep(0.01)
             return
         self.holds.held += 1
+        deadline = time.monotonic() + timeout
         try:
-            await asyncio.wait_for(asyncio.shield(op), timeout)
+            while op is not None:  # a failed restore may hand over to a cold boot: wait for it
+                await asyncio.wait_for(asyncio.shield(op), deadline - time.monotonic())
+                op = self._op if self._op is not op else None
         except TimeoutError as exc:
             self.metrics.events["wake_timeout"] += 1
             raise WakeTimeout(f"sandbox {self.id} did not wake within "
@@ -272,6 +275,8 @@ class SandboxController:
                 self._run(self.core.handle(c.RestoreFailedEvent(
                     str(exc) or repr(exc), guest_started=bool(err and err.guest_started),
                     snapshot_unusable=bool(err and err.snapshot_unusable))))
+                if self.core.op is c.Op.COLD_BOOT:
+                    return  # the waiters carry on waiting, for the cold boot
                 raise RestoreFailed(f"sandbox {self.id} could not be restored: "
                                     f"{c.public_cause(str(exc))}") from exc
             self.metrics.events["cold_boot" if cold else "restore"] += 1

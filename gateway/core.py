@@ -504,10 +504,14 @@ class SandboxCore:
         self.vmm_pid = None
         self.failed_restores += 1
         cause = f"{'cold boot' if cold else 'restore'} failed: {ev.cause}"
-        if cold or ev.guest_started or ev.snapshot_unusable \
+        if cold:  # nothing left to fall back to: FAILED until the next request tries again
+            return self._fail(E.SNAPSHOT_LOST, cause, on_request_only=True)
+        if ev.guest_started or ev.snapshot_unusable \
                 or self.failed_restores >= self.policy.max_restore_attempts:
-            # The snapshot is spent or cannot be trusted: never try it again.
-            return self._fail(E.SNAPSHOT_LOST, cause, on_request_only=cold)
+            # The snapshot is spent or cannot be trusted: never try it again. The waiting
+            # requests are served by a cold boot of the disk (files kept, processes lost).
+            cmds = self._record(E.SNAPSHOT_LOST, cause, failure=public_cause(cause), vmm=None)
+            return [*cmds, *self._begin_restore("cold boot: the snapshot is unusable")]
         return self._record(E.RESTORE_FAILED, cause, failure=public_cause(cause))
 
     # -- the VMM died --------------------------------------------------------------------------

@@ -134,14 +134,34 @@ async def test_restore_failure_reaches_every_waiter_and_is_not_cached(registry):
     assert (await one_request(ctl)).woke and m.wakes == 2 and ctl.state is State.RUNNING
 
 
-async def test_failure_after_guest_started_marks_failed_then_cold_boots(registry):
+async def test_failure_after_guest_started_falls_back_to_a_cold_boot_in_the_same_wake(registry):
     ctl, m = make(registry)
     m.fail_next_wake = RestoreError("agent silent", guest_started=True)
+    results = await asyncio.gather(*(one_request(ctl) for _ in range(5)))
+    assert all(w.woke for w in results)  # every waiter served, by the cold boot
+    assert m.wakes == 1 and m.cold_boots == 1 and ctl.state is State.RUNNING
+    events = [t["event"] for t in registry.transitions("sb1")]
+    assert events[-4:] == ["wake", "snapshot_lost", "wake", "restored"]
+    assert registry.get("sb1").failure is None
+
+
+async def test_a_failed_cold_boot_is_not_retried_until_the_next_request(registry):
+    class NoDisk(FakeMachine):
+        async def cold_boot(self):
+            self.cold_boots += 1
+            await asyncio.sleep(0.01)
+            raise RestoreError("disk gone", guest_started=True)
+
+    ctl, m = make(registry, machine=NoDisk())
+    m.fail_next_wake = RestoreError("corrupt", guest_started=False, snapshot_unusable=True)
     with pytest.raises(RestoreFailed):
         await one_request(ctl)
-    assert ctl.state is State.FAILED and "agent silent" in registry.get("sb1").failure
-    await one_request(ctl)
-    assert m.cold_boots == 1 and ctl.state is State.RUNNING
+    assert ctl.state is State.FAILED and m.cold_boots == 1
+    await asyncio.sleep(0.05)
+    assert m.cold_boots == 1  # no loop
+    with pytest.raises(RestoreFailed):
+        await one_request(ctl)
+    assert m.cold_boots == 2 and "disk gone" in registry.get("sb1").failure
 
 
 async def test_hold_queue_overflow_is_503_with_retry_after(registry):

@@ -154,12 +154,19 @@ def test_restore_finished_records_and_watches_the_vmm():
 
 
 @pytest.mark.parametrize("guest_started,unusable", [(True, False), (False, True)])
-def test_restore_failures_that_cannot_improve_go_failed_at_once(guest_started, unusable):
+def test_restore_failures_that_cannot_improve_fall_back_to_a_cold_boot_at_once(
+        guest_started, unusable):
     k = restoring()
     cmds = k.handle(c.RestoreFailedEvent("/var/lib/x/memory does not match its SHA256",
                                          guest_started, unusable))
-    assert records(cmds) == [E.SNAPSHOT_LOST] and k.state is S.FAILED
+    assert records(cmds) == [E.SNAPSHOT_LOST, E.WAKE] and cmds[-1] == c.StartOp(c.Op.COLD_BOOT)
     assert cmds[0].fields["failure"] == "restore failed: memory does not match its SHA256"
+    assert k.state is S.RESTORING and k.op is c.Op.COLD_BOOT
+    # a failed cold boot is not retried at once (no loop): FAILED until the next request
+    assert records(k.handle(c.RestoreFailedEvent("no disk", True, False))) == [E.SNAPSHOT_LOST]
+    assert k.op is None and k.state is S.FAILED
+    k.handle(c.RequestEntered())
+    assert c.StartOp(c.Op.COLD_BOOT) in ask(k)
 
 
 def test_transient_restore_failures_are_retried_a_bounded_number_of_times():
@@ -168,17 +175,18 @@ def test_transient_restore_failures_are_retried_a_bounded_number_of_times():
     assert k.state is S.SUSPENDED
     k.handle(c.RequestEntered())
     ask(k)
-    assert records(k.handle(c.RestoreFailedEvent("EMFILE", False, False))) == [E.SNAPSHOT_LOST]
-    assert k.state is S.FAILED  # never a loop of failed restores: the next request cold-boots
+    cmds = k.handle(c.RestoreFailedEvent("EMFILE", False, False))
+    assert records(cmds) == [E.SNAPSHOT_LOST, E.WAKE] and k.op is c.Op.COLD_BOOT
 
 
-def test_cold_boot_at_once_policy():
+def test_cold_boot_at_once_policy_after_a_crash():
     k = restoring(cold_boot_failed_at_once=True)
-    cmds = k.handle(c.RestoreFailedEvent("corrupt", False, True))
-    assert records(cmds) == [E.SNAPSHOT_LOST, E.WAKE] and c.StartOp(c.Op.COLD_BOOT) in cmds
-    # a failed cold boot is not retried at once (no loop): it waits for a request
-    assert records(k.handle(c.RestoreFailedEvent("no disk", True, False))) == [E.SNAPSHOT_LOST]
-    assert k.op is None and k.state is S.FAILED
+    k.handle(c.RestoreFinished(ms=1.0, vmm={"pid": 7}))
+    cmds = k.handle(c.VMMExited(pid=7))
+    assert records(cmds) == [E.CRASHED, E.WAKE] and cmds[-1] == c.StartOp(c.Op.COLD_BOOT)
+    k2 = core(S.RUNNING)
+    k2.handle(c.Recovered(vmm_alive=False, snapshot=X))
+    assert not k2.op  # default: on the next request
 
 
 # -- the VMM dies ------------------------------------------------------------------------------
