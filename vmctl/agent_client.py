@@ -24,7 +24,7 @@ from guest.protocol import (
     Health,
     InitRequest,
 )
-from vmctl.errors import VmctlError, VMTimeoutError
+from vmctl.errors import VMGoneError, VmctlError, VMTimeoutError
 
 
 class AgentError(VmctlError):
@@ -41,6 +41,11 @@ class AgentUnreachable(VmctlError):
     status = 502
 
 
+def _check_alive(alive: Callable[[], bool]) -> None:
+    if not alive():
+        raise VMGoneError("the VMM exited before the guest agent answered")
+
+
 class AgentClient:
     def __init__(self, address: str, port: int = AGENT_PORT) -> None:
         self.base = f"http://{address}:{port}"
@@ -52,11 +57,14 @@ class AgentClient:
     async def aclose(self) -> None:
         await self._session.close()
 
-    async def wait_ready(self, timeout: float) -> Health:
-        """Poll /health until the agent answers (ready = the agent answered, not 'VMM started')."""
+    async def wait_ready(self, timeout: float,
+                         alive: Callable[[], bool] = lambda: True) -> Health:
+        """Poll /health until the agent answers (ready = the agent answered, not 'VMM started').
+        ``alive``: checked between attempts, so a VMM that died fails the wait at once."""
         deadline = time.monotonic() + timeout
         last: BaseException | None = None
         while time.monotonic() < deadline:
+            _check_alive(alive)
             try:
                 return await self.health(timeout=1.0)
             except (TimeoutError, AgentUnreachable) as exc:
@@ -64,12 +72,14 @@ class AgentClient:
                 await asyncio.sleep(0.01)
         raise VMTimeoutError(f"guest agent not ready after {timeout:.0f}s ({last})")
 
-    async def init_when_ready(self, make_req: Callable[[], InitRequest], timeout: float) -> None:
+    async def init_when_ready(self, make_req: Callable[[], InitRequest], timeout: float,
+                              alive: Callable[[], bool] = lambda: True) -> None:
         """Send /init as soon as the agent answers: after a restore, /init is the readiness
         probe too (one round trip instead of two; under TCG each costs tens of ms)."""
         deadline = time.monotonic() + timeout
         last: BaseException | None = None
         while time.monotonic() < deadline:
+            _check_alive(alive)
             try:
                 return await self.init(make_req())
             except (TimeoutError, AgentUnreachable) as exc:

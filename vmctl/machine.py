@@ -182,7 +182,7 @@ class Machine:
         try:
             await driver.boot(self.spec)
             self.agent = AgentClient(self.plan.slot.guest_addr)
-            await self.agent.wait_ready(self.backend.config.ready_timeout)
+            await self.agent.wait_ready(self.backend.config.ready_timeout, driver.alive)
             await self._init_guest()
         except BaseException as exc:
             await asyncio.shield(self._abort_start())
@@ -202,8 +202,8 @@ class Machine:
         run if it does not yet, re-initialise it, and drop the snapshot it consumed."""
         assert self.driver is not None
         await self.driver.finish_restore(lambda: store.mark_consumed(self.snapshot_dir))
-        await self.require_agent().init_when_ready(self._init_request,
-                                                   self.backend.config.restore_timeout)
+        await self.require_agent().init_when_ready(
+            self._init_request, self.backend.config.restore_timeout, self.driver.alive)
         shutil.rmtree(self.snapshot_dir, ignore_errors=True)
 
     async def destroy(self) -> None:
@@ -247,7 +247,7 @@ class Machine:
         self.agent = AgentClient(self.plan.slot.guest_addr)
         try:
             timeout = self.backend.config.restore_timeout
-            await self.agent.init_when_ready(self._init_request, timeout)
+            await self.agent.init_when_ready(self._init_request, timeout, driver.alive)
         except BaseException as exc:
             await asyncio.shield(self._abort_start())
             if isinstance(exc, Exception):

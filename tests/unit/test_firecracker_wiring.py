@@ -72,11 +72,14 @@ class FakeAgent:
         self.address, self.calls, self.closed = address, [], False
         FakeAgent.made.append(self)
 
-    async def wait_ready(self, timeout: float) -> None:
+    async def wait_ready(self, timeout: float, alive: Any = None) -> None:
         self.calls.append("wait_ready")
 
-    async def init_when_ready(self, make_req: Any, timeout: float) -> None:
+    async def init_when_ready(self, make_req: Any, timeout: float, alive: Any = None) -> None:
         self.calls.append(("init", make_req()))
+
+    async def sync(self, timeout: float) -> None:
+        self.calls.append("sync")
 
     async def init(self, req: Any) -> None:
         self.calls.append(("init", req))
