@@ -92,6 +92,7 @@ class SandboxController:
         self._aborted: dict[asyncio.Task, ApiError] = {}
         self._watch: ExitWatch | None = None
         self.streams = 0  # open WebSockets / streamed responses (for metrics and tests)
+        machine.on_vmm_started = self._vmm_started  # type: ignore[attr-defined]
 
     def __repr__(self) -> str:
         return f"<SandboxController {self.id} {self.core!r}>"
@@ -323,6 +324,11 @@ class SandboxController:
         return True
 
     # -- the VMM watcher ----------------------------------------------------------------
+
+    def _vmm_started(self, record: Any) -> None:
+        """A VMM exists before its guest may run: record it (recovery adopts it after a
+        crash instead of killing it as an orphan)."""
+        self.registry.update(self.id, vmm=dict(record.__dict__))
 
     def _start_watch(self, pid: int) -> None:
         self._stop_watch()

@@ -26,6 +26,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +79,9 @@ class Machine:
         self.agent: AgentClient | None = None
         self._seal: asyncio.Future | None = None
         self._seal_cancel = threading.Event()
+        # Called (synchronously) with the new VMM's record before its guest may run, so the
+        # owner can persist it: after a crash, recovery must find and adopt that VMM.
+        self.on_vmm_started: Callable[[VMMRecord], None] | None = None
 
     @property
     def spec(self) -> VMSpec:
@@ -181,6 +185,7 @@ class Machine:
         self.driver = driver
         try:
             await driver.boot(self.spec)
+            self._announce_vmm()
             self.agent = AgentClient(self.plan.slot.guest_addr)
             await self.agent.wait_ready(self.backend.config.ready_timeout, driver.alive)
             await self._init_guest()
@@ -236,7 +241,11 @@ class Machine:
                                snapshot_unusable=True)
         driver = self.backend.new_driver()
         self.driver = driver
-        before_resume = (lambda: store.mark_consumed(consumes)) if consumes else None
+        def before_resume() -> None:
+            self._announce_vmm()
+            if consumes is not None:
+                store.mark_consumed(consumes)
+
         try:
             await driver.restore(snap, self.spec, before_resume=before_resume)
         except Exception as exc:
@@ -253,6 +262,11 @@ class Machine:
             if isinstance(exc, Exception):
                 raise RestoreError(f"guest did not come back: {exc}", guest_started=True) from exc
             raise
+
+    def _announce_vmm(self) -> None:
+        record = self.vmm_record()
+        if self.on_vmm_started is not None and record is not None:
+            self.on_vmm_started(record)
 
     async def _sync_guest(self) -> None:
         """Flush the guest's filesystems, so a cold boot of the disk keeps every file

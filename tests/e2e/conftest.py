@@ -51,7 +51,8 @@ def _free_port() -> int:
 
 
 def start_daemon(data_dir: Path, port: int | None = None, timeout: float = 300,
-                 config: Path = CONFIG) -> Daemon:
+                 config: Path = CONFIG, env: dict[str, str] | None = None) -> Daemon:
+    """``env``: extra environment (e.g. AGENTBOX_FAULTS for crash tests)."""
     port = port or _free_port()
     log_path = data_dir.parent / f"{data_dir.name}-daemon.log"
     log_file = open(log_path, "ab")
@@ -59,7 +60,8 @@ def start_daemon(data_dir: Path, port: int | None = None, timeout: float = 300,
         [sys.executable, "-m", "agentbox.cli", "serve", "--config", str(config),
          "--listen", f"127.0.0.1:{port}", "--data-dir", str(data_dir),
          "--images-dir", str(IMAGES_DIR)],
-        cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})})
     log_file.close()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
