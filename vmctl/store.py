@@ -6,8 +6,10 @@ discarded by whoever finds it. It records the SHA256 and size of every file;
 ``verify`` refuses to hand out a snapshot whose files do not match.
 
 Hashing a 256 MiB memory file takes a noticeable fraction of a second, so
-verified digests are cached per (path, inode, size, mtime): a file that has not
-been touched since it was last verified is not read again.
+verified digests are cached per (path, inode, size, mtime, ctime): a file that
+has not been touched since it was last verified is not read again. ctime is in
+the key because nothing can set it back: a write that restores the mtime
+afterwards still misses the cache and is hashed (and caught).
 
 What is verified, per file: golden snapshots hash every file. A sandbox's own
 (suspend) snapshot hashes the device state only (``hash_roles``); its memory
@@ -34,7 +36,7 @@ from vmctl.spec import Accel, SnapshotFiles
 MANIFEST = "manifest.json"
 CONSUMED = "consumed"  # written (durably) just before a guest first runs from the snapshot
 _CHUNK = 1 << 20
-_verified: dict[tuple[str, int, int, int], str] = {}
+_verified: dict[tuple[str, int, int, int, int], str] = {}
 
 
 @dataclass(frozen=True)
@@ -57,9 +59,9 @@ class Manifest:
             raise SnapshotError(f"unreadable snapshot manifest: {exc}") from exc
 
 
-def _stat_key(path: Path) -> tuple[str, int, int, int]:
+def _stat_key(path: Path) -> tuple[str, int, int, int, int]:
     st = path.stat()
-    return (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    return (str(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 class SealCancelled(Exception):
