@@ -9,7 +9,7 @@ SERVE_ARGS := --config $(CONFIG) $(if $(LISTEN),--listen $(LISTEN)) $(if $(DATA_
 PYTEST_ARGS ?=
 
 .PHONY: setup host-packages venv images test-images run test test-unit test-e2e test-firecracker \
-        kernel-firecracker bench lint clean
+        kernel-firecracker bench chaos lint clean
 
 setup: host-packages venv
 
@@ -59,6 +59,11 @@ test-firecracker: images
 	if [ -n "$$reason" ]; then echo "SKIPPED: the e2e suite under Firecracker: $$reason"; \
 	else AGENTBOX_E2E_CONFIG=$(FC_E2E_CONFIG) $(BIN)/python -m pytest tests/e2e \
 	    -k "not firecracker" --ignore=tests/e2e/test_image_boot.py -rs $(PYTEST_ARGS); fi
+
+# Long chaos run for operators (issue 9): random daemon/VMM kills for CHAOS_SECONDS (30 min).
+CHAOS_SECONDS ?= 1800
+chaos: images test-images
+	CHAOS_SECONDS=$(CHAOS_SECONDS) $(BIN)/python -m pytest tests/e2e/test_chaos.py -k random -s $(PYTEST_ARGS)
 
 bench: images
 	$(BIN)/python bench/lifecycle.py
