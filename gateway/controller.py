@@ -91,6 +91,7 @@ class SandboxController:
         self._admitted: set[asyncio.Task] = set()
         self._aborted: dict[asyncio.Task, ApiError] = {}
         self._watch: ExitWatch | None = None
+        self._last_activity: float | None = None  # wall clock of the last request's end
         self.streams = 0  # open WebSockets / streamed responses (for metrics and tests)
         machine.on_vmm_started = self._vmm_started  # type: ignore[attr-defined]
 
@@ -216,6 +217,7 @@ class SandboxController:
     def close(self) -> None:
         """Stop watching the VMM (the daemon is stopping; the VMM keeps running)."""
         self._stop_watch()
+        self.flush_activity()
 
     async def idle_check(self) -> None:
         now, timeout = time.monotonic(), self.rec.idle_timeout
@@ -377,10 +379,16 @@ class SandboxController:
                 task.cancel()
 
     def _touch(self) -> None:
-        # On every request's end: write, but do not read the row back.
-        now = time.time()
-        self.registry.update(self.id, last_activity=now)
-        self.rec = dataclasses.replace(self.rec, last_activity=now)
+        # On every request's end: no disk write on the hot path; flush_activity() persists
+        # it (the idle loop, once a second, and at shutdown).
+        self._last_activity = time.time()
+
+    def flush_activity(self) -> None:
+        """Write ``last_activity`` to the registry if a request ended since the last flush."""
+        now, self._last_activity = self._last_activity, None
+        if now is not None:
+            self.registry.update(self.id, last_activity=now)
+            self.rec = dataclasses.replace(self.rec, last_activity=now)
 
     def _vmm(self) -> dict[str, Any] | None:
         vmm = self.machine.vmm_record()

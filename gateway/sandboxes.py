@@ -180,6 +180,7 @@ class SandboxService:
             await asyncio.sleep(IDLE_SCAN_S)
             for ctl in list(self._controllers.values()):
                 try:
+                    ctl.flush_activity()
                     await ctl.idle_check()
                 except Exception:
                     log.exception("idle check of %s", ctl.id)

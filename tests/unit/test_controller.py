@@ -335,3 +335,17 @@ async def test_a_suspend_stops_watching_before_the_vmm_exits_on_purpose(registry
     await asyncio.sleep(0.05)
     assert ctl.state is State.SUSPENDED
     assert "crashed" not in [t["event"] for t in registry.transitions("sb1")]
+
+
+async def test_requests_write_nothing_to_disk_until_the_activity_flush(registry):
+    ctl, m = make(registry, state=State.RUNNING)
+    writes = []
+    real_update = registry.update
+    registry.update = lambda sid, **kw: (writes.append(kw), real_update(sid, **kw))
+    before = registry.get("sb1").last_activity
+    for _ in range(50):
+        await one_request(ctl)
+    assert writes == []  # the hot path does no registry write
+    ctl.flush_activity()
+    ctl.flush_activity()  # nothing new: no second write
+    assert len(writes) == 1 and registry.get("sb1").last_activity > before
