@@ -47,13 +47,13 @@ class ConsoleLog:
             return
         reader, writer = conn
         written = self.path.stat().st_size if self.path.exists() else 0
-        out = open(self.path, "ab")
+        out = _open_private(self.path)
         try:
             while chunk := await reader.read(CHUNK):
                 if written + len(chunk) > self.max_bytes:
                     out.close()
                     os.replace(self.path, self.path.with_name(self.path.name + ".1"))
-                    out, written = open(self.path, "ab"), 0
+                    out, written = _open_private(self.path), 0
                 out.write(chunk[-self.max_bytes:])
                 out.flush()
                 written += min(len(chunk), self.max_bytes)

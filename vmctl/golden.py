@@ -61,7 +61,7 @@ class Golden:
 
 # Bumped whenever what goes into a golden snapshot changes (e.g. how it is warmed). A new
 # name, not an overwrite: existing sandboxes' disks use the old one as their backing file.
-GOLDEN_RECIPE = 2
+GOLDEN_RECIPE = 3  # 3: built by a confined VMM (root-owned, read-only files)
 
 
 def golden_dir(image_dir: Path, backend: Backend, mem_mib: int) -> Path:
