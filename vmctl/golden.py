@@ -151,7 +151,8 @@ async def _build(image, backend: Backend, final: Path,  # type: ignore[no-untype
             await agent.aclose()
         snap = await driver.snapshot(tmp)
         await driver.destroy()
-        _give_back_to_root(snap)
+        if backend.confined:
+            _give_back_to_root(snap)
         meta = {"template": image.name, "kernel": str(boot.kernel), "cmdline": boot.cmdline,
                 "initrd": str(boot.initrd) if boot.initrd else None, "mem_mib": image.mem_mib}
         await asyncio.to_thread(store.write_manifest, tmp, snap, meta)
