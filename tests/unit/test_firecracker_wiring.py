@@ -230,7 +230,8 @@ async def test_golden_boots_the_firecracker_kernel_on_a_raw_copy(host: Host) -> 
     assert [op for op, _ in host.net] == ["create", "destroy"]
     assert not pid_alive(vmm["pid"]) and _our_processes(host.root) == []
     assert sorted(p.name for p in host.image.dir.iterdir()) == [  # no build temp dir left
-        f"golden-firecracker-kvm-64M-r{golden_mod.GOLDEN_RECIPE}", "initrd.img", "rootfs.ext4", "vmlinuz"]
+        f"golden-firecracker-kvm-64M-r{golden_mod.GOLDEN_RECIPE}", "initrd.img",
+        "rootfs.ext4", "vmlinuz"]
 
     # Sandboxes of an older build find the same boot files from the directory alone.
     again = load_golden_dir(golden.dir)
