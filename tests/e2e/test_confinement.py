@@ -6,7 +6,9 @@ sandboxes alone (issue 10, part 1 and the hostile-guest rows of part 7)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -92,12 +94,23 @@ def _read_as(uid: int, path: Path) -> subprocess.CompletedProcess:
 def test_one_sandboxs_uid_cannot_read_anothers_memory_or_disk(daemon, two):
     a, b = two
     uid_a, uid_b = (int(_status(_vmm(s))["Uid"].split()[0]) for s in two)
-    for name in ("memory", "disk.qcow2"):
-        target = daemon.data_dir / "sandboxes" / b / name
-        assert target.stat().st_mode & 0o077 == 0, oct(target.stat().st_mode)
-        assert _read_as(uid_b, target).returncode == 0  # its own VMM's uid can
-        denied = _read_as(uid_a, target)
-        assert denied.returncode != 0 and b"Permission denied" in denied.stderr
+    # Two layers: the sandbox directory is root's alone, and each file is its VMM's alone.
+    # The second is checked through a link in a directory anyone may traverse.
+    exposed = Path(tempfile.mkdtemp(dir="/tmp"))  # the data dir is under /tmp too
+    exposed.chmod(0o711)
+    try:
+        for name in ("memory", "disk.qcow2"):
+            target = daemon.data_dir / "sandboxes" / b / name
+            assert target.stat().st_mode & 0o077 == 0, oct(target.stat().st_mode)
+            assert target.stat().st_uid == uid_b
+            denied = _read_as(uid_a, target)
+            assert denied.returncode != 0 and b"Permission denied" in denied.stderr
+            os.link(target, exposed / name)
+            assert _read_as(uid_b, exposed / name).returncode == 0  # its own VMM's uid can
+            denied = _read_as(uid_a, exposed / name)
+            assert denied.returncode != 0 and b"Permission denied" in denied.stderr
+    finally:
+        shutil.rmtree(exposed)
     # Nor the daemon's own files.
     for name in ("admin.key",):
         assert _read_as(uid_a, daemon.data_dir / name).returncode != 0

@@ -174,15 +174,19 @@ class QemuDriver(Driver):
             await super()._destroy()
         finally:
             await self._stop_console()
-            if self.cgroups is not None and self.spec is not None:
-                await asyncio.to_thread(self.cgroups.remove, self.spec.vm_id)
+            if self.spec is not None:
+                for name in (CONSOLE_SOCKET, MIGRATE_SOCKET):  # may live under /run/agentbox
+                    socket_path(self.spec, name).unlink(missing_ok=True)
+                if self.cgroups is not None:
+                    await asyncio.to_thread(self.cgroups.remove, self.spec.vm_id)
 
     # -- helpers ---------------------------------------------------------------
 
     async def _spawn(self, spec: VMSpec, extra: list[str], pass_fds: tuple[int, ...] = ()) -> None:
         self.control_socket = control_socket_path(spec)
         console_socket = socket_path(spec, CONSOLE_SOCKET)
-        for stale in (self.control_socket, console_socket, spec.workdir / MIGRATE_SOCKET):
+        for stale in (self.control_socket, console_socket, spec.workdir / MIGRATE_SOCKET,
+                      socket_path(spec, MIGRATE_SOCKET)):
             stale.unlink(missing_ok=True)
         argv = qemu_argv(spec, self.control_socket, self.binary, console_socket) + extra
         if spec.netns is not None:
@@ -279,7 +283,9 @@ class QemuDriver(Driver):
 async def migration_sink(spec: VMSpec, dest: Path):  # type: ignore[no-untyped-def]
     """A Unix socket QEMU can migrate to (inside its chroot when confined); yields the
     migrate URI and a future that resolves once the whole stream is in ``dest``."""
-    path = spec.workdir / MIGRATE_SOCKET
+    # Confined, QEMU finds it at /migrate.sock in its chroot (the workdir), however long
+    # the workdir's own path is; unconfined, it must be a short path like the others.
+    path = spec.workdir / MIGRATE_SOCKET if spec.confinement else socket_path(spec, MIGRATE_SOCKET)
     path.unlink(missing_ok=True)
     loop = asyncio.get_running_loop()
     received: asyncio.Future[None] = loop.create_future()
@@ -297,7 +303,11 @@ async def migration_sink(spec: VMSpec, dest: Path):  # type: ignore[no-untyped-d
         finally:
             writer.close()
 
-    server = await asyncio.start_unix_server(receive, str(path))
+    dir_fd = os.open(path.parent, os.O_PATH | os.O_CLOEXEC)
+    try:  # /proc/self/fd/N/name: a long directory path still fits sun_path
+        server = await asyncio.start_unix_server(receive, f"/proc/self/fd/{dir_fd}/{path.name}")
+    finally:
+        os.close(dir_fd)
     try:
         confine.chown_private(path, spec.confinement)
         inside = Path("/") / MIGRATE_SOCKET if spec.confinement else path
