@@ -29,7 +29,7 @@ import os
 from vmctl import accel as accel_probe
 from vmctl import disks
 from vmctl.cgroup import CgroupManager, Hierarchy, daemon_parent
-from vmctl.confine import ConfineConfig, Confinement, confinement_for
+from vmctl.confine import ConfineConfig, Confinement, confinement_for, slot_uid_offset
 from vmctl.driver import Driver
 from vmctl.drivers.qemu import QemuDriver
 from vmctl.network import NetworkConfig
@@ -125,13 +125,13 @@ class Backend:
             return FirecrackerDriver(binary=fc.binary, jailer=fc.jailer_config())
         return QemuDriver(cgroups=self.cgroups, console_log_bytes=self.config.console_log_bytes)
 
-    def confinement(self, slot_index: int, vm_id: str, workdir: Path,
+    def confinement(self, slot_host_addr: str, vm_id: str, workdir: Path,
                     mem_mib: int) -> Confinement | None:
-        """How the VMM of the VM in ``slot_index`` runs (None: unconfined)."""
+        """How the VMM of the VM in the slot at ``slot_host_addr`` runs (None: unconfined)."""
         if not self.confined:
             return None
-        return confinement_for(self.config.confine, slot_index, vm_id, workdir, mem_mib,
-                               self.config.vcpus)
+        return confinement_for(self.config.confine, slot_uid_offset(slot_host_addr), vm_id,
+                               workdir, mem_mib, self.config.vcpus)
 
     def for_daemon(self, data_dir: Path) -> Backend:
         """This backend with VMM confinement set up for the daemon owning ``data_dir``

@@ -23,12 +23,15 @@ disk and its whole backing chain must be found at the same absolute paths inside
 the chroot: ``mirror_into_chroot`` hard-links them there (the data dir and the
 images dir must therefore share one filesystem; start-up says so if not).
 
-The uid is derived from the slot (``uid_base + slot index``), which recovery
-finds again in the registry, so nothing about it needs to be stored.
+The uid is derived from the slot's address (``uid_base`` + the slot's /30 number
+in the IPv4 space, modulo 2^20), which recovery finds again in the registry, so
+nothing about it needs to be stored, and two daemons with different pools on one
+host never hand out the same uid (two sharing a pool never hold the same slot).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import struct
 from collections.abc import Iterable
@@ -47,13 +50,13 @@ class ConfineConfig:
     ``pids_max``."""
 
     enabled: bool = True
-    uid_base: int = 200000  # sandbox in slot i runs as uid/gid uid_base + i
+    uid_base: int = 200000  # VMMs run as uid/gid uid_base + slot_uid_offset(slot)
     memory_overhead_mib: int = 256  # cgroup memory limit = guest RAM + this (QEMU, TCG cache)
     cpu_percent: int = 100  # per vCPU: 100 = at most one host core per vCPU
     pids_max: int = 64  # threads of one VMM (QEMU uses ~10 with one vCPU)
 
     def __post_init__(self) -> None:
-        if not 1000 <= self.uid_base <= 2**31 - 2**20:
+        if not 1000 <= self.uid_base <= 2**31 - UID_SPAN:
             raise ValueError("uid_base must be in 1000..2^31-2^20 (a range no user owns)")
         if self.memory_overhead_mib < 32:
             raise ValueError("memory_overhead_mib must be >= 32")
@@ -83,11 +86,19 @@ class Confinement:
     limits: Limits
 
 
-def confinement_for(config: ConfineConfig, slot_index: int, vm_id: str, workdir: Path,
+UID_SPAN = 1 << 20
+
+
+def slot_uid_offset(slot_host_addr: str) -> int:
+    """The slot's /30 number in the IPv4 space, folded into the uid range."""
+    return (int(ipaddress.IPv4Address(slot_host_addr)) >> 2) % UID_SPAN
+
+
+def confinement_for(config: ConfineConfig, uid_offset: int, vm_id: str, workdir: Path,
                     mem_mib: int, vcpus: int) -> Confinement | None:
     if not config.enabled:
         return None
-    uid = config.uid_base + slot_index
+    uid = config.uid_base + uid_offset
     limits = Limits(memory_bytes=(mem_mib + config.memory_overhead_mib) << 20,
                     cpu_quota_us=Limits.PERIOD_US * vcpus * config.cpu_percent // 100,
                     pids_max=config.pids_max)

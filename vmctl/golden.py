@@ -137,7 +137,7 @@ async def _build(image, backend: Backend, final: Path,  # type: ignore[no-untype
                       cmdline=boot.cmdline, disk=disk, mem_file=layout.memory(tmp),
                       mem_mib=image.mem_mib, vcpus=backend.config.vcpus, netns=slot.netns,
                       accel=backend.accel, confinement=backend.confinement(
-                          slot.index, vm_id, tmp / "vm", image.mem_mib))
+                          slot.host_addr, vm_id, tmp / "vm", image.mem_mib))
         progress(f"golden[{image.name}]: booting ({backend.key})")
         await driver.boot(spec)
         agent = AgentClient(slot.guest_addr)

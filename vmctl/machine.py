@@ -91,7 +91,7 @@ class Machine:
                       cmdline=g.cmdline, disk=layout.disk(p.root), mem_file=layout.memory(p.root),
                       mem_mib=g.mem_mib, vcpus=self.backend.config.vcpus, netns=p.slot.netns,
                       accel=self.backend.accel, confinement=self.backend.confinement(
-                          p.slot.index, p.vm_id, workdir, g.mem_mib))
+                          p.slot.host_addr, p.vm_id, workdir, g.mem_mib))
 
     @property
     def snapshot_dir(self) -> Path:

@@ -20,6 +20,10 @@ def test_confinement_for_gives_each_slot_its_own_uid_and_limits(tmp_path):
     b = confine.confinement_for(cfg, 4, "sb-b", tmp_path, mem_mib=512, vcpus=2)
     assert a is not None and b is not None
     assert (a.uid, a.gid, b.uid) == (300003, 300003, 300004)
+    # Slots of different pools (two daemons on one host) map to different uids.
+    offsets = {confine.slot_uid_offset(f"169.254.{third}.1") for third in (64, 128, 32)}
+    assert len(offsets) == 3
+    assert confine.slot_uid_offset("169.254.128.1") + 1 == confine.slot_uid_offset("169.254.128.5")
     assert a.limits == Limits(memory_bytes=612 << 20, cpu_quota_us=100_000, pids_max=40)
     assert confine.confinement_for(ConfineConfig(enabled=False), 3, "x", tmp_path, 512, 1) is None
 
@@ -37,7 +41,7 @@ def test_qemu_args_carry_seccomp_chroot_and_uid(tmp_path):
     assert args[args.index("-sandbox") + 1] == confine.SECCOMP
     assert "spawn=deny" in confine.SECCOMP and "obsolete=deny" in confine.SECCOMP
     assert args[args.index("-chroot") + 1] == str(tmp_path)
-    assert args[args.index("-runas") + 1] == "200001:200001"
+    assert args[args.index("-runas") + 1] == "200001:200001"  # offset 1
     assert confine.qemu_args(None) == []
 
 
