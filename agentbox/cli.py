@@ -126,7 +126,7 @@ async def _build_goldens(config, images) -> None:  # type: ignore[no-untyped-def
     from vmctl.backend import select
     from vmctl.golden import ensure_golden
 
-    backend = await select(config.vm, images[0].kernel)
+    backend = (await select(config.vm, images[0].kernel)).for_daemon(config.server.images_dir)
     print(f"backend: {backend.driver_name}/{backend.accel.value} ({backend.reason})", flush=True)
     for i, image in enumerate(images):
         golden = await ensure_golden(image, backend, progress=lambda m: print(m, flush=True),

@@ -62,7 +62,8 @@ async def load_goldens(config: Config) -> tuple[vm_backend.Backend | None, dict[
     if not images:
         return None, {}
     first = next(iter(images.values()))
-    backend = await vm_backend.select(config.vm, first.kernel)
+    backend = (await vm_backend.select(config.vm, first.kernel)).for_daemon(
+        config.server.data_dir)
     goldens = {}
     for i, (name, image) in enumerate(images.items()):
         try:

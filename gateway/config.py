@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from vmctl.backend import FirecrackerConfig, VMConfig
+from vmctl.confine import ConfineConfig
 from vmctl.network import NetworkConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "agentbox.toml"
@@ -111,7 +112,7 @@ def load(path: Path | None = None, **overrides: Any) -> Config:
         raw = tomllib.loads(path.read_text()) if path.exists() else {}
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
-    unknown = set(raw) - {"server", "sandbox", "vm", "network", "firecracker"}
+    unknown = set(raw) - {"server", "sandbox", "vm", "network", "firecracker", "confine"}
     if unknown:
         raise ConfigError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}")
     server_raw = dict(raw.get("server", {}))
@@ -120,6 +121,8 @@ def load(path: Path | None = None, **overrides: Any) -> Config:
         server_raw["images_dir"] = Path(overrides["data_dir"]) / "images"
     net = _section(NetworkConfig, raw.get("network", {}), "network")
     fc = _section(FirecrackerConfig, raw.get("firecracker", {}), "firecracker")
-    vm = _section(VMConfig, {**raw.get("vm", {}), "network": net, "firecracker": fc}, "vm")
+    confine = _section(ConfineConfig, raw.get("confine", {}), "confine")
+    vm = _section(VMConfig, {**raw.get("vm", {}), "network": net, "firecracker": fc,
+                             "confine": confine}, "vm")
     return Config(server=_section(ServerConfig, server_raw, "server"),
                   sandbox=_section(SandboxConfig, raw.get("sandbox", {}), "sandbox"), vm=vm)

@@ -20,12 +20,16 @@ so the rest of vmctl (golden snapshots, Machine) stays VMM-agnostic:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import os
+
 from vmctl import accel as accel_probe
 from vmctl import disks
+from vmctl.cgroup import CgroupManager, Hierarchy, daemon_parent
+from vmctl.confine import ConfineConfig, Confinement, confinement_for, slot_uid_offset
 from vmctl.driver import Driver
 from vmctl.drivers.qemu import QemuDriver
 from vmctl.network import NetworkConfig
@@ -81,10 +85,14 @@ class VMConfig:
     ready_timeout: float = 60.0  # cold boot to agent-ready (TCG is slow)
     restore_timeout: float = 30.0  # restore to agent-ready
     firecracker_kernel: Path = DEFAULT_FIRECRACKER_KERNEL  # built by `make kernel-firecracker`
+    console_log_bytes: int = 1 << 20  # guest console kept per VM (twice this with rotation)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     firecracker: FirecrackerConfig = field(default_factory=FirecrackerConfig)
+    confine: ConfineConfig = field(default_factory=ConfineConfig)
 
     def __post_init__(self) -> None:
+        if self.console_log_bytes < 4096:
+            raise ValueError("vm.console_log_bytes must be >= 4096")
         if self.vmm not in VMM_CHOICES:
             raise ValueError(f"vm.vmm must be one of {VMM_CHOICES}, not {self.vmm!r}")
         if self.accel not in ACCEL_CHOICES:
@@ -107,13 +115,44 @@ class Backend:
     accel: Accel
     reason: str
     config: VMConfig
+    cgroups: CgroupManager | None = None  # None: VMMs are not put in cgroups
+    confined: bool = False  # QEMU VMMs run confined (vmctl.confine)
 
     def new_driver(self) -> Driver:
         if self.driver_name == "firecracker":
             from vmctl.drivers.firecracker import FirecrackerDriver
             fc = self.config.firecracker
             return FirecrackerDriver(binary=fc.binary, jailer=fc.jailer_config())
-        return QemuDriver()
+        return QemuDriver(cgroups=self.cgroups, console_log_bytes=self.config.console_log_bytes)
+
+    def confinement(self, slot_host_addr: str, vm_id: str, workdir: Path,
+                    mem_mib: int) -> Confinement | None:
+        """How the VMM of the VM in the slot at ``slot_host_addr`` runs (None: unconfined)."""
+        if not self.confined:
+            return None
+        return confinement_for(self.config.confine, slot_uid_offset(slot_host_addr), vm_id,
+                               workdir, mem_mib, self.config.vcpus)
+
+    def for_daemon(self, data_dir: Path) -> Backend:
+        """This backend with VMM confinement set up for the daemon owning ``data_dir``
+        (its own parent cgroup, swept of what a crashed run left)."""
+        cfg = self.config.confine
+        if not cfg.enabled or self.driver_name != "qemu":
+            return self
+        if os.geteuid() != 0:
+            log.warning("VMM confinement is on but the daemon is not root: VMMs run unconfined")
+            return self
+        hierarchy = Hierarchy.detect()
+        cgroups = None
+        if hierarchy is None:
+            log.warning("no cgroup hierarchy with memory, cpu and pids: VMMs get no cgroup")
+        else:
+            cgroups = CgroupManager(hierarchy, daemon_parent(data_dir))
+            swept = cgroups.sweep(keep=set())
+            if swept:
+                log.info("removed %d empty VMM cgroup(s) left by a previous run", len(swept))
+            log.info("VMM cgroups: v%d under %s", hierarchy.version, cgroups.parent)
+        return replace(self, cgroups=cgroups, confined=True)
 
     @property
     def key(self) -> str:

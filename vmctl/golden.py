@@ -61,7 +61,7 @@ class Golden:
 
 # Bumped whenever what goes into a golden snapshot changes (e.g. how it is warmed). A new
 # name, not an overwrite: existing sandboxes' disks use the old one as their backing file.
-GOLDEN_RECIPE = 2
+GOLDEN_RECIPE = 3  # 3: built by a confined VMM (root-owned, read-only files)
 
 
 def golden_dir(image_dir: Path, backend: Backend, mem_mib: int) -> Path:
@@ -136,7 +136,8 @@ async def _build(image, backend: Backend, final: Path,  # type: ignore[no-untype
         spec = VMSpec(vm_id=vm_id, workdir=tmp / "vm", kernel=boot.kernel, initrd=boot.initrd,
                       cmdline=boot.cmdline, disk=disk, mem_file=layout.memory(tmp),
                       mem_mib=image.mem_mib, vcpus=backend.config.vcpus, netns=slot.netns,
-                      accel=backend.accel)
+                      accel=backend.accel, confinement=backend.confinement(
+                          slot.host_addr, vm_id, tmp / "vm", image.mem_mib))
         progress(f"golden[{image.name}]: booting ({backend.key})")
         await driver.boot(spec)
         agent = AgentClient(slot.guest_addr)
@@ -150,6 +151,8 @@ async def _build(image, backend: Backend, final: Path,  # type: ignore[no-untype
             await agent.aclose()
         snap = await driver.snapshot(tmp)
         await driver.destroy()
+        if backend.confined:
+            _give_back_to_root(snap)
         meta = {"template": image.name, "kernel": str(boot.kernel), "cmdline": boot.cmdline,
                 "initrd": str(boot.initrd) if boot.initrd else None, "mem_mib": image.mem_mib}
         await asyncio.to_thread(store.write_manifest, tmp, snap, meta)
@@ -166,3 +169,12 @@ async def _build(image, backend: Backend, final: Path,  # type: ignore[no-untype
         raise
     finally:
         await asyncio.shield(network.destroy(slot))
+
+
+def _give_back_to_root(snap: SnapshotFiles) -> None:
+    """The build VM's files belonged to its uid; a golden snapshot is read by every
+    sandbox of its template, so it must belong to no sandbox's uid."""
+    for path in (snap.disk, snap.memory, snap.state):
+        if path.exists():
+            os.chown(path, 0, 0)
+            os.chmod(path, 0o444 if path == snap.disk else 0o400)

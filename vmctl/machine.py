@@ -86,10 +86,12 @@ class Machine:
     @property
     def spec(self) -> VMSpec:
         p, g, layout = self.plan, self.plan.golden, self.backend.layout
-        return VMSpec(vm_id=p.vm_id, workdir=p.root / "vm", kernel=g.kernel, initrd=g.initrd,
+        workdir = p.root / "vm"
+        return VMSpec(vm_id=p.vm_id, workdir=workdir, kernel=g.kernel, initrd=g.initrd,
                       cmdline=g.cmdline, disk=layout.disk(p.root), mem_file=layout.memory(p.root),
                       mem_mib=g.mem_mib, vcpus=self.backend.config.vcpus, netns=p.slot.netns,
-                      accel=self.backend.accel)
+                      accel=self.backend.accel, confinement=self.backend.confinement(
+                          p.slot.host_addr, p.vm_id, workdir, g.mem_mib))
 
     @property
     def snapshot_dir(self) -> Path:
@@ -101,7 +103,7 @@ class Machine:
     async def create(self) -> None:
         """Materialise the sandbox from the golden snapshot and wait for its agent."""
         root, golden = self.plan.root, self.plan.golden
-        root.mkdir(parents=True, exist_ok=True)
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
         first, _ = await asyncio.gather(
             self.backend.layout.materialise(golden.snapshot, root),
             network.create(self.plan.slot, self.backend.config.network))
@@ -222,11 +224,15 @@ class Machine:
         finally:
             await network.destroy(self.plan.slot)
             await asyncio.to_thread(shutil.rmtree, self.plan.root, True)
+            if self.backend.cgroups is not None:  # a VMM that died by itself left it
+                await asyncio.to_thread(self.backend.cgroups.remove, self.plan.vm_id)
 
     async def kill_recorded(self, record: VMMRecord) -> None:
         """Kill a VMM left by a previous daemon that cannot be adopted."""
         if pid_alive(record.pid):
             await kill_pid(record.pid, timeout=2.0)
+        if self.backend.cgroups is not None:
+            await asyncio.to_thread(self.backend.cgroups.remove, self.plan.vm_id)
 
     # -- internals ------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import collections
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,10 @@ class QMPClient:
         self._lock = asyncio.Lock()
         self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)
 
-    async def connect(self, path: Path, timeout: float = 10.0) -> None:
-        """Connect (retrying while the socket does not exist yet) and negotiate."""
+    async def connect(self, path: Path, timeout: float = 10.0,
+                      alive: Callable[[], bool] | None = None) -> None:
+        """Connect (retrying while the socket does not exist yet) and negotiate.
+        ``alive``: stop retrying as soon as the VMM process is gone."""
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -39,6 +42,8 @@ class QMPClient:
                     str(path), limit=_LINE_LIMIT)
                 break
             except (FileNotFoundError, ConnectionRefusedError) as exc:
+                if alive is not None and not alive():
+                    raise VMGoneError("QEMU exited before its QMP socket came up") from exc
                 if time.monotonic() > deadline:
                     raise VMTimeoutError(f"QMP socket {path} not ready after {timeout}s") from exc
                 await asyncio.sleep(0.005)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from guest.protocol import GUEST_MAC, TAP_NAME
+from vmctl.confine import Confinement
 
 
 class Accel(enum.Enum):
@@ -33,6 +34,7 @@ class VMSpec:
     tap: str = TAP_NAME
     mac: str = GUEST_MAC
     accel: Accel = Accel.TCG
+    confinement: Confinement | None = None  # None: the VMM runs unconfined (as the daemon)
 
     def __post_init__(self) -> None:
         if self.mem_mib < 64:

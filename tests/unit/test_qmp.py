@@ -79,18 +79,29 @@ async def test_snapshot_sequence(tmp_path):
     from vmctl.spec import VMSpec
 
     polls = iter([{"return": {"status": "active"}}, {"return": {"status": "completed"}}])
-    peer = FakeQMP(tmp_path / "q.sock", {"query-migrate": lambda: next(polls)})
+    streams = []
+
+    def migrate():  # QEMU connects to the driver's socket and streams the device state
+        async def stream():
+            _, writer = await asyncio.open_unix_connection(str(tmp_path / "migrate.sock"))
+            writer.write(b"state")
+            await writer.drain()
+            writer.close()
+        streams.append(asyncio.get_running_loop().create_task(stream()))
+        return {"return": {}}
+
+    peer = FakeQMP(tmp_path / "q.sock", {"query-migrate": lambda: next(polls),
+                                         "migrate": migrate})
     await peer.start()
     drv = QemuDriver()
     drv.spec = VMSpec(vm_id="x", workdir=tmp_path, kernel=tmp_path / "k", disk=tmp_path / "d",
                       mem_file=tmp_path / "m")
     await drv._qmp.connect(peer.path)
 
-    # The fake does not run `cat`, so create the file the migration would have written.
-    (tmp_path / "snap").mkdir()
-    (tmp_path / "snap" / "vmstate.tmp").write_bytes(b"state")
     snap = await drv.snapshot(tmp_path / "snap")
     cmds = [c for c, _ in peer.seen]
+    assert peer.seen[4][1] == {"uri": f"unix:{tmp_path / 'migrate.sock'}"}
+    assert not (tmp_path / "migrate.sock").exists() and len(streams) == 1
     assert cmds == ["qmp_capabilities", "migrate-set-capabilities", "migrate-set-parameters",
                     "stop", "migrate", "query-migrate", "query-migrate"]
     caps = peer.seen[1][1]["capabilities"]
@@ -123,4 +134,4 @@ def test_control_socket_stays_within_the_unix_socket_limit(tmp_path):
     assert control_socket_path(short) == tmp_path / "qmp.sock"
     deep = VMSpec(**{**short.__dict__, "vm_id": "golden-x", "workdir": tmp_path / ("d" * 120)})
     path = control_socket_path(deep)
-    assert len(str(path)) < 108 and path.name == "golden-x.qmp"
+    assert len(str(path)) < 108 and path.name == "golden-x.qmp.sock"

@@ -10,17 +10,25 @@ state in, and let the guest run; pages load on demand.
 The command line must be identical between save and restore (device order
 fixes each virtio-mmio transport), so both paths build it with ``qemu_argv``;
 only ``-incoming`` is appended on restore.
+
+Confinement (``vmctl.confine``): a confined QEMU chroots into its VM directory,
+drops to the sandbox's uid and may not spawn processes, so migration never uses
+``exec:``. A restore hands QEMU the open device-state file (``fd:N``); a
+snapshot has QEMU connect to a Unix socket the driver listens on inside the
+chroot and the driver writes what arrives to the file. The console goes to a
+socket too (``vmctl.console``: a capped log, not a file the guest can grow).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-import shlex
 from collections.abc import Callable
 from pathlib import Path
 
-from vmctl import faults
+from vmctl import cgroup, confine, faults
+from vmctl.console import ConsoleLog
 from vmctl.driver import Driver
 from vmctl.errors import SnapshotError, VMStartError, VMTimeoutError, VmctlError
 from vmctl.qmp import QMPClient
@@ -28,11 +36,17 @@ from vmctl.spec import Accel, SnapshotFiles, VMMRecord, VMSpec
 
 QEMU_BINARY = "qemu-system-x86_64"
 STATE_FILE = "vmstate"
+MIGRATE_SOCKET = "migrate.sock"
+CONSOLE_SOCKET = "console.sock"
+CONSOLE_LOG = "console.log"
+DEFAULT_CONSOLE_LOG_BYTES = 1 << 20
 _MIGRATION_POLL_S = 0.002
 
 
-def qemu_argv(spec: VMSpec, qmp_socket: Path, binary: str = QEMU_BINARY) -> list[str]:
+def qemu_argv(spec: VMSpec, qmp_socket: Path, binary: str = QEMU_BINARY,
+              console_socket: Path | None = None) -> list[str]:
     """The full QEMU command line for ``spec`` (no ``-incoming``)."""
+    console_socket = console_socket or socket_path(spec, CONSOLE_SOCKET)
     accel = ["-accel", "kvm", "-cpu", "host"] if spec.accel is Accel.KVM else \
         ["-accel", "tcg,tb-size=64", "-cpu", "max"]
     argv = [
@@ -46,8 +60,10 @@ def qemu_argv(spec: VMSpec, qmp_socket: Path, binary: str = QEMU_BINARY) -> list
                   "discard=unmap",
         "-device", "virtio-blk-device,drive=root",
         "-device", "virtio-rng-device",
-        "-serial", f"file:{spec.workdir / 'console.log'}",
+        "-chardev", f"socket,id=con0,path={console_socket},server=on,wait=off",
+        "-serial", "chardev:con0",
         "-qmp", f"unix:{qmp_socket},server=on,wait=off",
+        *confine.qemu_args(spec.confinement),
     ]
     if spec.initrd is not None:
         argv[argv.index("-append"):argv.index("-append")] = ["-initrd", str(spec.initrd)]
@@ -63,13 +79,17 @@ SHORT_SOCKET_DIR = Path("/run/agentbox")
 
 
 def control_socket_path(spec: VMSpec) -> Path:
-    """The QMP socket: in the VM's workdir, or under /run/agentbox if that path is too long
-    for a Unix socket."""
-    path = spec.workdir / "qmp.sock"
+    return socket_path(spec, "qmp.sock")
+
+
+def socket_path(spec: VMSpec, name: str) -> Path:
+    """A socket QEMU creates at start-up: in the VM's workdir, or under /run/agentbox if
+    that path is too long for a Unix socket."""
+    path = spec.workdir / name
     if len(str(path)) <= _SUN_PATH_MAX:
         return path
     SHORT_SOCKET_DIR.mkdir(parents=True, exist_ok=True)
-    return SHORT_SOCKET_DIR / f"{spec.vm_id}.qmp"
+    return SHORT_SOCKET_DIR / f"{spec.vm_id}.{name}"
 
 
 def _disk_format(disk: Path) -> str:
@@ -79,10 +99,14 @@ def _disk_format(disk: Path) -> str:
 class QemuDriver(Driver):
     name = "qemu"
 
-    def __init__(self, binary: str = QEMU_BINARY) -> None:
+    def __init__(self, binary: str = QEMU_BINARY, cgroups: cgroup.CgroupManager | None = None,
+                 console_log_bytes: int = DEFAULT_CONSOLE_LOG_BYTES) -> None:
         super().__init__()
         self.binary = binary
+        self.cgroups = cgroups
+        self.console_log_bytes = console_log_bytes
         self._qmp = QMPClient()
+        self._console: ConsoleLog | None = None
 
     async def _boot(self, spec: VMSpec) -> None:
         await self._spawn(spec, [])
@@ -98,11 +122,15 @@ class QemuDriver(Driver):
             raise SnapshotError(f"snapshot state {snapshot.state} is missing")
         # -S: the guest stays paused after the load whatever state the stream carries,
         # so nothing runs before ``before_resume`` has marked the snapshot consumed.
-        await self._spawn(spec, ["-S", "-incoming", "defer"])
+        # The state file is opened here and inherited (QEMU may not open or spawn later).
+        state_fd = os.open(snapshot.state, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            await self._spawn(spec, ["-S", "-incoming", "defer"], pass_fds=(state_fd,))
+        finally:
+            os.close(state_fd)
         await self._qmp.execute("migrate-set-capabilities", {"capabilities": [
             {"capability": "x-ignore-shared", "state": True}]})
-        await self._qmp.execute("migrate-incoming",
-                                {"uri": "exec:cat " + shlex.quote(str(snapshot.state))})
+        await self._qmp.execute("migrate-incoming", {"uri": f"fd:{state_fd}"})
         faults.point("restore.loading")
         await self._wait_running(timeout=30.0, before_resume=before_resume)
 
@@ -111,6 +139,7 @@ class QemuDriver(Driver):
 
     async def _adopt(self, record: VMMRecord) -> None:
         await self._qmp.connect(Path(record.control_socket), timeout=5.0)
+        self._start_console()
 
     async def _pause(self) -> None:
         await self._qmp.execute("stop")
@@ -125,9 +154,11 @@ class QemuDriver(Driver):
             {"capability": "x-ignore-shared", "state": True}]})
         await self._qmp.execute("migrate-set-parameters", {"max-bandwidth": 1 << 40})
         await self._qmp.execute("stop")
-        await self._qmp.execute("migrate", {"uri": "exec:cat > " + shlex.quote(str(tmp))})
-        faults.point("suspend.migrating")
-        await self._wait_migration(timeout=120.0)
+        async with migration_sink(self.spec, tmp) as (uri, received):
+            await self._qmp.execute("migrate", {"uri": uri})
+            faults.point("suspend.migrating")
+            await self._wait_migration(timeout=120.0)
+            await asyncio.wait_for(received, timeout=30.0)
         os.replace(tmp, final)
         return SnapshotFiles(state=final, memory=self.spec.mem_file, disk=self.spec.disk,
                              accel=self.spec.accel, driver=self.name)
@@ -138,26 +169,70 @@ class QemuDriver(Driver):
         finally:
             await self._qmp.close()
 
+    async def _destroy(self) -> None:
+        try:
+            await super()._destroy()
+        finally:
+            await self._stop_console()
+            if self.spec is not None:
+                for name in (CONSOLE_SOCKET, MIGRATE_SOCKET):  # may live under /run/agentbox
+                    socket_path(self.spec, name).unlink(missing_ok=True)
+                if self.cgroups is not None:
+                    await asyncio.to_thread(self.cgroups.remove, self.spec.vm_id)
+
     # -- helpers ---------------------------------------------------------------
 
-    async def _spawn(self, spec: VMSpec, extra: list[str]) -> None:
+    async def _spawn(self, spec: VMSpec, extra: list[str], pass_fds: tuple[int, ...] = ()) -> None:
         self.control_socket = control_socket_path(spec)
-        self.control_socket.unlink(missing_ok=True)
-        argv = qemu_argv(spec, self.control_socket, self.binary) + extra
+        console_socket = socket_path(spec, CONSOLE_SOCKET)
+        for stale in (self.control_socket, console_socket, spec.workdir / MIGRATE_SOCKET,
+                      socket_path(spec, MIGRATE_SOCKET)):
+            stale.unlink(missing_ok=True)
+        argv = qemu_argv(spec, self.control_socket, self.binary, console_socket) + extra
         if spec.netns is not None:
             argv = ["ip", "netns", "exec", spec.netns, *argv]
+        # Outermost: `ip netns exec` mounts a fresh /sys, which has no cgroup mounts.
+        argv = cgroup.wrap(argv, await asyncio.to_thread(self._prepare_confinement, spec))
         log_path = spec.workdir / "vmm.log"
-        with open(log_path, "ab") as log_file:
+        with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600),
+                       "ab") as log_file:
             # A new session: the VMM must outlive the daemon (it is re-adopted on restart).
             self._proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file,
-                start_new_session=True)
+                start_new_session=True, pass_fds=pass_fds)
         self.pid = self._proc.pid
         try:
-            await self._qmp.connect(self.control_socket, timeout=10.0)
+            await self._qmp.connect(self.control_socket, timeout=10.0, alive=self.alive)
         except Exception as exc:
             tail = _tail(log_path)
             raise VMStartError(f"QEMU did not come up: {exc}; log: {tail}") from exc
+        self._start_console()
+
+    def _prepare_confinement(self, spec: VMSpec) -> list[Path]:
+        """Give the VM's files to its uid (0600; its directory 0700) and make its cgroup;
+        returns the cgroup.procs files the VMM must join."""
+        c = spec.confinement
+        for path in (spec.disk, spec.mem_file):
+            if path.exists():
+                confine.chown_private(path, c)
+        confine.chown_private(spec.workdir, c, mode=0o700)
+        if c is None:
+            return []
+        confine.mirror_into_chroot(c.chroot, confine.backing_chain(spec.disk))
+        if self.cgroups is None:
+            return []
+        return self.cgroups.create(spec.vm_id, c.limits)
+
+    def _start_console(self) -> None:
+        assert self.spec is not None
+        self._console = ConsoleLog(socket_path(self.spec, CONSOLE_SOCKET),
+                                   self.spec.workdir / CONSOLE_LOG, self.console_log_bytes)
+        self._console.start()
+
+    async def _stop_console(self) -> None:
+        console, self._console = self._console, None
+        if console is not None:
+            await console.aclose()
 
     async def _wait_running(self, timeout: float, before_resume: Callable[[], None]) -> None:
         """Wait for the incoming stream to load, then start the guest with ``cont``.
@@ -202,6 +277,46 @@ class QemuDriver(Driver):
             if loop.time() > deadline:
                 raise VMTimeoutError(f"snapshot did not finish within {timeout}s")
             await asyncio.sleep(_MIGRATION_POLL_S)
+
+
+@contextlib.asynccontextmanager
+async def migration_sink(spec: VMSpec, dest: Path):  # type: ignore[no-untyped-def]
+    """A Unix socket QEMU can migrate to (inside its chroot when confined); yields the
+    migrate URI and a future that resolves once the whole stream is in ``dest``."""
+    # Confined, QEMU finds it at /migrate.sock in its chroot (the workdir), however long
+    # the workdir's own path is; unconfined, it must be a short path like the others.
+    path = spec.workdir / MIGRATE_SOCKET if spec.confinement else socket_path(spec, MIGRATE_SOCKET)
+    path.unlink(missing_ok=True)
+    loop = asyncio.get_running_loop()
+    received: asyncio.Future[None] = loop.create_future()
+
+    async def receive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            with open(dest, "wb") as out:
+                while chunk := await reader.read(1 << 20):
+                    out.write(chunk)
+            if not received.done():
+                received.set_result(None)
+        except Exception as exc:
+            if not received.done():
+                received.set_exception(SnapshotError(f"migration stream: {exc}"))
+        finally:
+            writer.close()
+
+    dir_fd = os.open(path.parent, os.O_PATH | os.O_CLOEXEC)
+    try:  # /proc/self/fd/N/name: a long directory path still fits sun_path
+        server = await asyncio.start_unix_server(receive, f"/proc/self/fd/{dir_fd}/{path.name}")
+    finally:
+        os.close(dir_fd)
+    try:
+        confine.chown_private(path, spec.confinement)
+        inside = Path("/") / MIGRATE_SOCKET if spec.confinement else path
+        yield f"unix:{inside}", received
+    finally:
+        server.close()
+        path.unlink(missing_ok=True)
+        if not received.done():
+            received.cancel()
 
 
 def _tail(path: Path, limit: int = 800) -> str:
