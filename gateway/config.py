@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.quotas import TenancyConfig
 from vmctl.backend import FirecrackerConfig, VMConfig
 from vmctl.network import NetworkConfig
 
@@ -90,6 +91,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     vm: VMConfig = field(default_factory=VMConfig)
+    tenancy: TenancyConfig = field(default_factory=TenancyConfig)  # gateway.quotas
 
 
 def _section(cls: type, data: dict[str, Any], name: str) -> Any:
@@ -111,7 +113,8 @@ def load(path: Path | None = None, **overrides: Any) -> Config:
         raw = tomllib.loads(path.read_text()) if path.exists() else {}
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
-    unknown = set(raw) - {"server", "sandbox", "vm", "network", "firecracker"}
+    unknown = set(raw) - {"server", "sandbox", "vm", "network", "firecracker",
+                      "tenancy"}
     if unknown:
         raise ConfigError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}")
     server_raw = dict(raw.get("server", {}))
@@ -122,4 +125,5 @@ def load(path: Path | None = None, **overrides: Any) -> Config:
     fc = _section(FirecrackerConfig, raw.get("firecracker", {}), "firecracker")
     vm = _section(VMConfig, {**raw.get("vm", {}), "network": net, "firecracker": fc}, "vm")
     return Config(server=_section(ServerConfig, server_raw, "server"),
-                  sandbox=_section(SandboxConfig, raw.get("sandbox", {}), "sandbox"), vm=vm)
+                  sandbox=_section(SandboxConfig, raw.get("sandbox", {}), "sandbox"), vm=vm,
+                  tenancy=_section(TenancyConfig, raw.get("tenancy", {}), "tenancy"))
