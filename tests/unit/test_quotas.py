@@ -127,3 +127,13 @@ def test_revoked_keys_stop_authenticating_but_stay_listable(tmp_path):
         assert [k.id for k in reg.list_keys(include_revoked=True)] == [key.id]
     finally:
         reg.close()
+
+
+def test_the_sdk_maps_the_new_codes():
+    from agentbox import exceptions as ex
+
+    quota = ex.from_response(409, {"error": {"code": "quota_exceeded", "message": "m"}})
+    assert type(quota) is ex.QuotaExceededError and isinstance(quota, ex.ConflictError)
+    rate = ex.from_response(429, {"error": {"code": "rate_limited", "message": "m"}},
+                            {"Retry-After": "3"})
+    assert type(rate) is ex.RateLimitError and rate.retry_after == 3.0
