@@ -24,6 +24,8 @@ from agentbox.exceptions import (
     InvalidArgumentError,
     NotFoundError,
     PayloadTooLargeError,
+    QuotaExceededError,
+    RateLimitError,
     SandboxError,
     SandboxNotFoundError,
     SessionNotFoundError,
@@ -57,7 +59,8 @@ __all__ = [
     "AsyncCommandHandle", "AsyncSandbox", "AuthenticationError", "ByteStream", "CodeContext",
     "CommandHandle", "CommandResult", "ConflictError", "ExecResult", "Execution",
     "ExecutionError", "FileInfo", "InvalidArgumentError", "NotFoundError", "OutputChunk",
-    "PayloadTooLargeError", "PreviewAccess", "ProcessInfo", "Result", "Sandbox", "SandboxError",
+    "PayloadTooLargeError", "PreviewAccess", "ProcessInfo", "QuotaExceededError",
+    "RateLimitError", "Result", "Sandbox", "SandboxError",
     "SandboxInfo", "SandboxNotFoundError", "ServerInfo", "Session", "SessionNotFoundError",
     "Template", "TemplateNotFoundError", "UnavailableError", "__version__",
 ]

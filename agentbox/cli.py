@@ -28,8 +28,13 @@ def _server_commands(sub: argparse._SubParsersAction) -> None:
     create = ksub.add_parser("create", help="mint a key (printed once)")
     create.add_argument("--name", required=True)
     create.add_argument("--admin", action="store_true")
-    ksub.add_parser("list", help="list keys")
-    revoke = ksub.add_parser("revoke", help="revoke a key by id")
+    _limit_flags(create)
+    ksub.add_parser("ls", aliases=["list"], help="list keys and their limits")
+    limit = ksub.add_parser("set", help="change a key's limits ('default' = the config's)")
+    limit.add_argument("key_id")
+    _limit_flags(limit)
+    revoke = ksub.add_parser("revoke", help="revoke a key by id (its sandboxes stay: an "
+                                            "admin lists them with ?tenant=KEY_ID)")
     revoke.add_argument("key_id")
     keys.add_argument("--json", action="store_true")
     keys.set_defaults(func=_cmd_keys)
@@ -67,29 +72,63 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+_LIMITS = {"max_sandboxes": int, "max_awake": int, "max_disk_mib": int, "rate": float,
+           "burst": int}
+
+
+def _limit_flags(parser: argparse.ArgumentParser) -> None:
+    for name, kind in _LIMITS.items():
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, metavar="N",
+                            type=lambda v, kind=kind: None if v == "default" else kind(v),
+                            default=argparse.SUPPRESS, help=f"{kind.__name__}; 0 = no limit")
+
+
 def _cmd_keys(args: argparse.Namespace) -> int:
+    from gateway import quotas
+    from gateway.errors import ApiError
     from gateway.registry import Registry
 
     config = _load_config(args)
     config.server.data_dir.mkdir(parents=True, exist_ok=True)
     registry = Registry(config.server.data_dir / "registry.sqlite")
+    changes = {name: getattr(args, name) for name in _LIMITS if hasattr(args, name)}
     try:
+        limits = quotas.parse_overrides(changes)
         if args.keys_cmd == "create":
-            key, secret = registry.create_key(args.name, admin=args.admin)
+            key, secret = registry.create_key(args.name, admin=args.admin,
+                                              limits=quotas.apply_overrides({}, limits))
             out = {"id": key.id, "name": key.name, "admin": key.admin, "key": secret}
             print(json.dumps(out) if args.json else f"{key.id} {key.name}\n{secret}")
-        elif args.keys_cmd == "list":
-            rows = [k.__dict__ for k in registry.list_keys()]
-            if args.json:
-                print(json.dumps(rows))
-            for k in rows if not args.json else []:
-                print(f"{k['id']}  {k['name']}{'  (admin)' if k['admin'] else ''}")
+        elif args.keys_cmd in ("ls", "list"):
+            _print_keys(registry.list_keys(), config.tenancy.limits, args.json)
+        elif args.keys_cmd == "set":
+            key = registry.get_key(args.key_id)
+            if key is None:
+                print(f"no such key: {args.key_id}", file=sys.stderr)
+                return 1
+            registry.set_key_limits(key.id, quotas.apply_overrides(key.limits, limits))
+            _print_keys([registry.get_key(key.id)], config.tenancy.limits, args.json)
         elif not registry.revoke_key(args.key_id):
             print(f"no such key: {args.key_id}", file=sys.stderr)
             return 1
+    except ApiError as exc:  # a bad limit (gateway.quotas.parse_overrides)
+        print(f"agentbox keys: {exc}", file=sys.stderr)
+        return 2
     finally:
         registry.close()
     return 0
+
+
+def _print_keys(keys, defaults, as_json: bool) -> None:  # type: ignore[no-untyped-def]
+    rows = [k.__dict__ | {"limits": defaults.merged(k.limits).as_dict(),
+                          "overrides": k.limits} for k in keys]
+    if as_json:
+        print(json.dumps(rows))
+        return
+    for k in rows:
+        limits = " ".join(f"{n}={v:g}" + ("*" if n in k["overrides"] else "")
+                          for n, v in k["limits"].items())
+        print(f"{k['id']}  {k['name']}{'  (admin)' if k['admin'] else ''}  {limits}")
 
 
 def _cmd_images(args: argparse.Namespace) -> int:

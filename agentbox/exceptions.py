@@ -132,6 +132,13 @@ class ConflictError(AgentBoxError):
     code = "conflict"
 
 
+class QuotaExceededError(ConflictError):
+    """409 ``quota_exceeded``: the API key is at one of its limits (sandboxes, awake
+    sandboxes, disk); delete or suspend a sandbox, then retry."""
+
+    code = "quota_exceeded"
+
+
 class PayloadTooLargeError(AgentBoxError):
     """413: an upload or request body is over the server's limit."""
 
@@ -140,7 +147,8 @@ class PayloadTooLargeError(AgentBoxError):
 
 
 class RateLimitError(AgentBoxError):
-    """429: too many of something at once (contexts, processes)."""
+    """429: too many of something at once (contexts, processes), or too many requests
+    (``rate_limited``: retry after ``retry_after`` seconds)."""
 
     status = 429
     code = "too_many_requests"
@@ -196,6 +204,8 @@ _BY_CODE: dict[str, type[AgentBoxError]] = {
     "invalid_api_key": AuthenticationError,
     "no_space": StorageFullError,
     "vm_timeout": TimeoutError,
+    "quota_exceeded": QuotaExceededError,
+    "rate_limited": RateLimitError,
 }
 
 _BY_STATUS: dict[int, type[AgentBoxError]] = {
@@ -249,7 +259,7 @@ __all__ = [
     "APIConnectionError", "AgentBoxError", "AuthenticationError", "ConfigurationError",
     "ConflictError", "ContextNotFoundError", "EndpointNotFoundError", "InvalidArgumentError",
     "NotFoundError", "PayloadTooLargeError", "PermissionDeniedError", "ProcessNotFoundError",
-    "ProtocolError", "RateLimitError", "RateLimitedError", "SandboxError",
+    "ProtocolError", "QuotaExceededError", "RateLimitError", "RateLimitedError", "SandboxError",
     "SandboxNotFoundError", "SandboxTimeoutError", "ServerError", "SessionNotFoundError",
     "StorageFullError", "StreamInterruptedError", "TemplateNotFoundError", "TimeoutError",
     "UnavailableError", "error_class", "from_response",

@@ -10,7 +10,7 @@ import orjson
 from aiohttp import web
 
 from gateway.errors import BadRequest, Forbidden, NotFound, PayloadTooLarge
-from gateway.middleware import REGISTRY_KEY, current_key
+from gateway.middleware import current_key
 from gateway.preview_auth import ACCESS_KEY, preview_view, validate_public_ports
 from gateway.registry import SandboxRecord
 from gateway.sandboxes import SandboxService, validate_create, validate_update
@@ -52,6 +52,18 @@ def _service(request: web.Request) -> SandboxService:
     return request.app[SERVICE_KEY]
 
 
+def _tenant(request: web.Request) -> str:
+    """Whose sandboxes a list/get/delete is about: the key's own, or for an admin key
+    any key's with ``?tenant=KEY_ID`` (e.g. to clean up after revoking a key)."""
+    key = current_key(request)
+    tenant = request.query.get("tenant")
+    if tenant is None or tenant == key.id:
+        return key.id
+    if not key.admin:
+        raise Forbidden("only an admin key can act on another key's sandboxes (?tenant=)")
+    return tenant
+
+
 @routes.get("/healthz")
 async def healthz(request: web.Request) -> web.Response:
     svc = _service(request)
@@ -77,19 +89,19 @@ async def create_sandbox(request: web.Request) -> web.Response:
 
 @routes.get("/v1/sandboxes")
 async def list_sandboxes(request: web.Request) -> web.Response:
-    recs = _service(request).list(current_key(request).id)
+    recs = _service(request).list(_tenant(request))
     return json_response({"sandboxes": [sandbox_view(r) for r in recs]})
 
 
 @routes.get("/v1/sandboxes/{id}")
 async def get_sandbox(request: web.Request) -> web.Response:
-    rec = _service(request).get(current_key(request).id, request.match_info["id"])
+    rec = _service(request).get(_tenant(request), request.match_info["id"])
     return json_response(sandbox_view(rec) | preview_view(request, rec.id))
 
 
 @routes.delete("/v1/sandboxes/{id}")
 async def delete_sandbox(request: web.Request) -> web.Response:
-    await _service(request).destroy(current_key(request).id, request.match_info["id"])
+    await _service(request).destroy(_tenant(request), request.match_info["id"])
     return web.Response(status=204)
 
 
@@ -181,19 +193,6 @@ async def delete_file(request: web.Request) -> web.Response:
     async with _service(request).use(current_key(request).id, request.match_info["id"]) as m:
         await m.require_agent().remove(path)
     return web.Response(status=204)
-
-
-@routes.post("/v1/keys")
-async def create_key(request: web.Request) -> web.Response:
-    if not current_key(request).admin:
-        raise Forbidden("only an admin key can create keys")
-    body = await read_json(request)
-    name = body.get("name") if isinstance(body, dict) else None
-    if not isinstance(name, str) or not name.strip():
-        raise BadRequest("'name' is required")
-    key, secret = request.app[REGISTRY_KEY].create_key(name.strip(), admin=bool(body.get("admin")))
-    return json_response({"id": key.id, "name": key.name, "admin": key.admin, "key": secret},
-                         status=201)
 
 
 class _LimitedBody:

@@ -15,13 +15,19 @@ from pathlib import Path
 
 from aiohttp import web
 
-from gateway import api, api_interp, metrics, openapi, preview, terminal
+from gateway import api, api_interp, api_keys, metrics, openapi, preview, terminal
 from gateway.config import Config
 from gateway.middleware import (
     REGISTRY_KEY,
     api_error_middleware,
     auth_middleware,
     error_middleware,
+)
+from gateway.ratelimit import (
+    LIMITER_KEY,
+    RateLimiter,
+    address_rate_middleware,
+    key_rate_middleware,
 )
 from gateway.registry import Registry
 from gateway.reconcile import reconcile
@@ -88,13 +94,17 @@ def _warn_if_stale(image) -> None:  # type: ignore[no-untyped-def]
 
 def build_app(config: Config) -> web.Application:
     app = web.Application(
+        # Rate limits sit either side of auth (gateway.ratelimit): per address, then per key.
         middlewares=[error_middleware, api_error_middleware, preview.preview_middleware,
-                     auth_middleware],
+                     address_rate_middleware, auth_middleware, key_rate_middleware],
         client_max_size=config.server.max_json_bytes)
     app[CONFIG_KEY] = config
     app[api.MAX_UPLOAD_KEY] = config.server.max_upload_bytes
+    app[api_keys.TENANCY_KEY] = config.tenancy
+    app[LIMITER_KEY] = RateLimiter(config.tenancy)
     app.add_routes(api.routes)
     app.add_routes(api_interp.routes)
+    app.add_routes(api_keys.routes)
     app.add_routes(metrics.routes)
     app.add_routes(terminal.routes)
     app.add_routes(openapi.routes)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.quotas import TenancyConfig
 from vmctl.backend import FirecrackerConfig, VMConfig
 from vmctl.confine import ConfineConfig
 from vmctl.network import NetworkConfig
@@ -91,6 +92,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     vm: VMConfig = field(default_factory=VMConfig)
+    tenancy: TenancyConfig = field(default_factory=TenancyConfig)  # gateway.quotas
 
 
 def _section(cls: type, data: dict[str, Any], name: str) -> Any:
@@ -112,7 +114,8 @@ def load(path: Path | None = None, **overrides: Any) -> Config:
         raw = tomllib.loads(path.read_text()) if path.exists() else {}
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
-    unknown = set(raw) - {"server", "sandbox", "vm", "network", "firecracker", "confine"}
+    unknown = set(raw) - {"server", "sandbox", "vm", "network", "firecracker", "confine",
+                          "tenancy"}
     if unknown:
         raise ConfigError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}")
     server_raw = dict(raw.get("server", {}))
@@ -125,4 +128,5 @@ def load(path: Path | None = None, **overrides: Any) -> Config:
     vm = _section(VMConfig, {**raw.get("vm", {}), "network": net, "firecracker": fc,
                              "confine": confine}, "vm")
     return Config(server=_section(ServerConfig, server_raw, "server"),
-                  sandbox=_section(SandboxConfig, raw.get("sandbox", {}), "sandbox"), vm=vm)
+                  sandbox=_section(SandboxConfig, raw.get("sandbox", {}), "sandbox"), vm=vm,
+                  tenancy=_section(TenancyConfig, raw.get("tenancy", {}), "tenancy"))

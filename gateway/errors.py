@@ -61,3 +61,16 @@ class SandboxNotFound(NotFound):
 
 class TemplateNotFound(NotFound):
     code = "template_not_found"
+
+
+class QuotaExceeded(Conflict):
+    """A key's quota (gateway.quotas): the tenant can delete or suspend, then retry."""
+
+    code = "quota_exceeded"
+
+
+class RateLimited(ApiError):
+    """A token bucket is empty (gateway.ratelimit); carries Retry-After."""
+
+    status = 429
+    code = "rate_limited"

@@ -158,10 +158,7 @@ def _gateway_schemas() -> dict[str, Any]:
             "metadata": _METADATA, "created_at": _NUM, "url": _STR, "proxy_path": _STR,
             "preview_token": _NSTR}, ("name", "state", "port", "url")),
         "SessionList": _list_of("sessions", "Session"),
-        "CreateKeyRequest": _obj({"name": _STR, "admin": _BOOL}, ("name",)),
-        "CreatedKey": _obj({"id": _STR, "name": _STR, "admin": _BOOL, "key": {
-            "type": "string", "description": "the secret, shown only once"}},
-            ("id", "name", "admin", "key")),
+        **_key_schemas(),
         "Result": _obj({"is_main_result": _BOOL, "text/plain": _STR, "text/html": _STR,
                         "image/png": {"type": "string", "contentEncoding": "base64"},
                         "application/json": {}}, ("is_main_result",),
@@ -171,6 +168,40 @@ def _gateway_schemas() -> dict[str, Any]:
         "ProcessList": _list_of("commands", "ProcessInfo"),
         "OutputEvent": output_event,
         "RunEvent": run_event,
+    }
+
+
+_LIMITS_DOC = {
+    "max_sandboxes": "sandboxes the key may have (any state)",
+    "max_awake": "of those holding a VM at once (creating, running, restoring, suspending)",
+    "max_disk_mib": "sum of the key's sandbox directories on disk, checked at create",
+    "rate": "API requests per second (token bucket)", "burst": "bucket size"}
+
+
+def _key_schemas() -> dict[str, Any]:
+    """Keys and their limits (gateway.api_keys, gateway.quotas); 0 = no limit."""
+    def limits(nullable: bool) -> dict[str, Any]:
+        props = {name: {"type": ["number" if name == "rate" else "integer"]
+                        + (["null"] if nullable else []), "minimum": 1 if name == "burst"
+                        else 0, "description": desc} for name, desc in _LIMITS_DOC.items()}
+        return _obj(props, additionalProperties=False)
+    key = {"id": _STR, "name": _STR, "admin": _BOOL, "created_at": _NUM, "revoked": _BOOL,
+           "limits": _ref("KeyLimits"),
+           "overrides": {**limits(False), "description": "this key's own values"}}
+    required = ("id", "name", "admin", "limits")
+    return {
+        "KeyLimits": {**limits(False), "description": "effective limits; 0 = no limit"},
+        "KeyLimitsUpdate": {**limits(True), "description": "null = back to the default"},
+        "CreateKeyRequest": _obj({"name": _STR, "admin": _BOOL,
+                                  "limits": _ref("KeyLimitsUpdate")}, ("name",),
+                                 additionalProperties=False),
+        "UpdateKeyRequest": _obj({"limits": _ref("KeyLimitsUpdate")},
+                                 additionalProperties=False),
+        "Key": _obj(key, required),
+        "KeyList": _list_of("keys", "Key"),
+        "CreatedKey": _obj({**key, "key": {"type": "string",
+                                           "description": "the secret, shown only once"}},
+                           (*required, "key")),
     }
 
 
@@ -198,9 +229,11 @@ _ERRORS = {
                       "context_not_found, process_not_found, session_not_found, "
                       "session_not_ready"),
     409: ("Conflict", "wrong state: not_running, conflict, stdin_closed, context_exists, "
-                      "session_name_taken"),
+                      "session_name_taken; quota_exceeded (a key's max_sandboxes, "
+                      "max_awake or max_disk_mib)"),
     413: ("PayloadTooLarge", "body over the server's limit (payload_too_large)"),
-    429: ("TooMany", "too_many_contexts, too_many_processes"),
+    429: ("TooMany", "rate_limited (see Retry-After), too_many_contexts, "
+                     "too_many_processes"),
     502: ("SandboxFailed", "the VM or guest agent failed: vm_start_failed, vm_gone, "
                            "agent_unreachable, snapshot_invalid, vmm_protocol_error"),
     503: ("Unavailable", "at capacity (sandbox_limit) or busy; see Retry-After"),
@@ -231,6 +264,8 @@ _ANY_METHODS = ("GET", "PUT", "POST", "DELETE", "PATCH", "HEAD", "OPTIONS")
 # path on ``{port}-{id}.<preview_domain>`` and ``{name}.<session_domain>`` hosts (a sub-app
 # matched by Host, which OpenAPI cannot express).
 NOT_API_ROUTES = frozenset({("*", "/{tail}")})
+_TENANT = ("tenant", "admin key only: another key's id (e.g. a revoked key's sandboxes)",
+           {"type": "string"})
 _NDJSON_NOTE = ("Streams NDJSON; a stream that ends without its final line was cut short.")
 
 OPS: tuple[Op, ...] = (
@@ -240,13 +275,23 @@ OPS: tuple[Op, ...] = (
     Op("GET", "/v1/templates", "List templates", "templates", returns="TemplateList"),
     Op("POST", "/v1/keys", "Create an API key (admin key only)", "keys", 201,
        "CreateKeyRequest", "CreatedKey", (400, 403)),
+    Op("GET", "/v1/keys", "List API keys (admin key only)", "keys", returns="KeyList",
+       errors=(403,), query=(("revoked", "1: include revoked keys",
+                              {"type": "string", "enum": ["0", "1"]}),)),
+    Op("PATCH", "/v1/keys/{key_id}", "Change a key's limits (admin key only)", "keys",
+       body="UpdateKeyRequest", returns="Key", errors=(400, 403, 404)),
+    Op("DELETE", "/v1/keys/{key_id}", "Revoke a key (admin key only); its sandboxes stay",
+       "keys", 204, errors=(400, 403, 404)),
     Op("POST", "/v1/sandboxes", "Create a sandbox", "sandboxes", 201, "CreateSandboxRequest",
-       "Sandbox", (400, 404, 502, 503, 504)),
-    Op("GET", "/v1/sandboxes", "List the key's sandboxes", "sandboxes", returns="SandboxList"),
-    Op("GET", _SB, "Get a sandbox", "sandboxes", returns="Sandbox", errors=(404,)),
+       "Sandbox", (400, 404, 409, 502, 503, 504)),
+    Op("GET", "/v1/sandboxes", "List the key's sandboxes", "sandboxes", returns="SandboxList",
+       errors=(403,), query=(_TENANT,)),
+    Op("GET", _SB, "Get a sandbox", "sandboxes", returns="Sandbox", errors=(403, 404),
+       query=(_TENANT,)),
     Op("PATCH", _SB, "Change a sandbox's idle timeout or metadata", "sandboxes",
        body="UpdateSandboxRequest", returns="Sandbox", errors=(400, 404)),
-    Op("DELETE", _SB, "Delete a sandbox", "sandboxes", 204, errors=(404,)),
+    Op("DELETE", _SB, "Delete a sandbox", "sandboxes", 204, errors=(403, 404),
+       query=(_TENANT,)),
     Op("POST", _SB + "/suspend", "Suspend: snapshot to disk, stop the VM", "sandboxes",
        returns="Sandbox", errors=_SANDBOX_ERRORS),
     Op("POST", _SB + "/resume", "Resume a suspended sandbox (any request also wakes it)",
@@ -356,7 +401,8 @@ def _operation(op: Op) -> dict[str, Any]:
     ok: dict[str, Any] = {"description": "Switching Protocols" if op.ok == 101 else "OK"}
     if op.returns:
         ok["content"] = _content(op.returns)
-    errors = op.errors if op.path in PUBLIC_PATHS else (401, *op.errors)
+    # Every keyed request can meet its key's rate limit (gateway.ratelimit).
+    errors = op.errors if op.path in PUBLIC_PATHS else (401, 429, *op.errors)
     responses = {str(op.ok): ok}
     responses.update({str(s): {"$ref": f"#/components/responses/{_ERRORS[s][0]}"}
                       for s in sorted(set(errors))})

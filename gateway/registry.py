@@ -27,7 +27,8 @@ from gateway.lifecycle import Event, State, next_state
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS api_keys (
   id TEXT PRIMARY KEY, name TEXT NOT NULL, key_hash TEXT NOT NULL UNIQUE,
-  admin INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL, revoked INTEGER NOT NULL DEFAULT 0);
+  admin INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL, revoked INTEGER NOT NULL DEFAULT 0,
+  limits TEXT NOT NULL DEFAULT '{}');
 CREATE TABLE IF NOT EXISTS sandboxes (
   id TEXT PRIMARY KEY, tenant TEXT NOT NULL, template TEXT NOT NULL, state TEXT NOT NULL,
   metadata TEXT NOT NULL DEFAULT '{}', slot INTEGER NOT NULL, root TEXT NOT NULL,
@@ -57,6 +58,9 @@ class ApiKey:
     name: str
     admin: bool
     created_at: float
+    # Per-key overrides of the [tenancy] defaults (gateway.quotas.Limits field -> value).
+    limits: dict[str, Any] = field(default_factory=dict, hash=False)
+    revoked: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,32 +101,49 @@ class Registry:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.executescript(SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Bring a database made by an older daemon up to SCHEMA (columns added since)."""
+        cols = {r["name"] for r in self._db.execute("PRAGMA table_info(api_keys)")}
+        if "limits" not in cols:
+            self._db.execute("ALTER TABLE api_keys ADD COLUMN limits TEXT NOT NULL DEFAULT '{}'")
 
     def close(self) -> None:
         self._db.close()
 
     # -- API keys ----------------------------------------------------------------
 
-    def create_key(self, name: str, admin: bool = False) -> tuple[ApiKey, str]:
+    def create_key(self, name: str, admin: bool = False,
+                   limits: dict[str, Any] | None = None) -> tuple[ApiKey, str]:
         """Mint a key; returns its record and the secret (shown once, stored hashed)."""
         secret = "ab_" + secrets.token_urlsafe(32)
         key = ApiKey(id="key_" + secrets.token_hex(6), name=name, admin=admin,
-                     created_at=time.time())
-        self._db.execute("INSERT INTO api_keys (id, name, key_hash, admin, created_at) "
-                         "VALUES (?, ?, ?, ?, ?)",
-                         (key.id, name, hash_key(secret), int(admin), key.created_at))
+                     created_at=time.time(), limits=dict(limits or {}))
+        self._db.execute("INSERT INTO api_keys (id, name, key_hash, admin, created_at, limits) "
+                         "VALUES (?, ?, ?, ?, ?, ?)",
+                         (key.id, name, hash_key(secret), int(admin), key.created_at,
+                          json.dumps(key.limits)))
         return key, secret
 
     def lookup_key(self, secret: str) -> ApiKey | None:
         row = self._db.execute("SELECT * FROM api_keys WHERE key_hash = ? AND revoked = 0",
                                (hash_key(secret),)).fetchone()
-        if row is None:
-            return None
-        return ApiKey(row["id"], row["name"], bool(row["admin"]), row["created_at"])
+        return _key_row(row) if row else None
 
-    def list_keys(self) -> list[ApiKey]:
-        rows = self._db.execute("SELECT * FROM api_keys WHERE revoked = 0 ORDER BY created_at")
-        return [ApiKey(r["id"], r["name"], bool(r["admin"]), r["created_at"]) for r in rows]
+    def get_key(self, key_id: str) -> ApiKey | None:
+        """A key by id, revoked or not."""
+        row = self._db.execute("SELECT * FROM api_keys WHERE id = ?", (key_id,)).fetchone()
+        return _key_row(row) if row else None
+
+    def list_keys(self, include_revoked: bool = False) -> list[ApiKey]:
+        where = "" if include_revoked else " WHERE revoked = 0"
+        rows = self._db.execute(f"SELECT * FROM api_keys{where} ORDER BY created_at")
+        return [_key_row(r) for r in rows]
+
+    def set_key_limits(self, key_id: str, limits: dict[str, Any]) -> bool:
+        return self._db.execute("UPDATE api_keys SET limits = ? WHERE id = ?",
+                                (json.dumps(limits), key_id)).rowcount > 0
 
     def revoke_key(self, key_id: str) -> bool:
         return self._db.execute("UPDATE api_keys SET revoked = 1 WHERE id = ?",
@@ -268,6 +289,11 @@ def _encode(value: Any) -> Any:
 def _to_row(rec: SandboxRecord) -> dict[str, Any]:
     return {k: _encode(v) for k, v in dataclasses.asdict(rec).items()
             if not (k == "vmm" and v is None)} | {"state": rec.state.value}
+
+
+def _key_row(row: sqlite3.Row) -> ApiKey:
+    return ApiKey(row["id"], row["name"], bool(row["admin"]), row["created_at"],
+                  json.loads(row["limits"] or "{}"), bool(row["revoked"]))
 
 
 def _session_row(row: sqlite3.Row) -> dict[str, Any]:

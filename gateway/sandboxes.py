@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
+from gateway import quotas
 from gateway.config import Config
 from gateway.controller import HoldCounter, SandboxController, Wake, WakePolicy
 from gateway.errors import BadRequest, Conflict, SandboxNotFound, TemplateNotFound, Unavailable
@@ -90,6 +91,9 @@ class SandboxService:
                  idle_timeout: float | None) -> SandboxRecord:
         """Pick an id and a network slot and record the sandbox as CREATING (synchronous,
         so two concurrent creates can never take the same slot)."""
+        limits = self.limits(tenant)
+        quotas.check_create(tenant, limits, self._usage(tenant, measure_disk=bool(
+            limits.max_disk_mib)))
         used = self.registry.used_slots()
         if len(used) >= self.config.sandbox.max_sandboxes:
             raise Unavailable(f"this host is at its limit of {self.config.sandbox.max_sandboxes} "
@@ -144,6 +148,7 @@ class SandboxService:
     async def use(self, tenant: str, sandbox_id: str) -> AsyncIterator[Machine]:
         """Hold a running sandbox for one request, waking it first if it sleeps."""
         ctl = self.controller(self.get(tenant, sandbox_id))
+        self._check_wake(tenant, ctl)
         async with ctl.request() as wake:
             current_wake.set(wake)
             yield ctl.machine  # type: ignore[misc]
@@ -152,6 +157,7 @@ class SandboxService:
     async def use_stream(self, tenant: str, sandbox_id: str) -> AsyncIterator[Machine]:
         """Like ``use`` for long-lived connections (WebSockets, terminals): not paced."""
         ctl = self.controller(self.get(tenant, sandbox_id))
+        self._check_wake(tenant, ctl)
         async with ctl.stream() as wake:
             current_wake.set(wake)
             yield ctl.machine  # type: ignore[misc]
@@ -172,6 +178,24 @@ class SandboxService:
         async with self.use(tenant, sandbox_id):
             pass
         return self.get(tenant, sandbox_id)
+
+    # -- quotas (gateway.quotas decides; this measures) -----------------------------------
+
+    def limits(self, tenant: str) -> quotas.Limits:
+        """A key's effective limits: the [tenancy] defaults with its overrides."""
+        key = self.registry.get_key(tenant)
+        return self.config.tenancy.limits.merged(key.limits if key else {})
+
+    def _usage(self, tenant: str, measure_disk: bool = False) -> quotas.Usage:
+        recs = self.registry.list(tenant)
+        disk = sum(tree_bytes(Path(r.root)) for r in recs) if measure_disk else 0
+        return quotas.usage_of((r.state for r in recs), disk)
+
+    def _check_wake(self, tenant: str, ctl: SandboxController) -> None:
+        # Synchronous up to the controller's recording of the wake (RESTORING), so two
+        # concurrent wakes of one tenant cannot both pass the check.
+        if ctl.state in (State.SUSPENDED, State.FAILED):
+            quotas.check_wake(tenant, self.limits(tenant), self._usage(tenant))
 
     # -- idle suspend --------------------------------------------------------------------
 
@@ -249,6 +273,16 @@ class SandboxService:
         slot = network.slot_for(rec.slot, rec.id, self.backend.config.network)
         return MachinePlan(vm_id=rec.id, root=Path(rec.root), slot=slot,
                            golden=self.golden_for(rec))
+
+
+def tree_bytes(root: Path) -> int:
+    """Bytes allocated to the files under ``root`` (sparse files count what they use)."""
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(OSError):  # a file removed while we walk
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+    return total
 
 
 def parse_seconds(value: Any, name: str) -> float | None:

@@ -1,0 +1,100 @@
+"""``/v1/keys``: mint, list, limit and revoke API keys (admin keys only).
+
+Request bodies are validated strictly at this boundary: a field has exactly its
+JSON type (``"admin": "false"`` is a 400 ``invalid_type``, never an admin key).
+A revoked key answers 401 from then on; its sandboxes stay until an admin
+deletes them (``GET /v1/sandboxes?tenant=KEY_ID``, ``DELETE ...?tenant=KEY_ID``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from gateway import quotas
+from gateway.api import json_response, read_json
+from gateway.errors import BadRequest, Forbidden, NotFound
+from gateway.middleware import REGISTRY_KEY, current_key
+from gateway.quotas import TenancyConfig
+from gateway.registry import ApiKey
+from gateway.sandboxes import parse_object
+
+TENANCY_KEY = web.AppKey("tenancy_config", TenancyConfig)
+MAX_NAME = 200
+
+routes = web.RouteTableDef()
+
+
+def key_view(key: ApiKey, defaults: quotas.Limits) -> dict[str, Any]:
+    return {"id": key.id, "name": key.name, "admin": key.admin, "created_at": key.created_at,
+            "revoked": key.revoked, "limits": defaults.merged(key.limits).as_dict(),
+            "overrides": key.limits}
+
+
+def _require_admin(request: web.Request) -> None:
+    if not current_key(request).admin:
+        raise Forbidden("only an admin key can manage keys")
+
+
+def _defaults(request: web.Request) -> quotas.Limits:
+    return request.app[TENANCY_KEY].limits
+
+
+def validate_new_key(body: Any) -> tuple[str, bool, dict[str, Any]]:
+    body = parse_object(body, {"name", "admin", "limits"})
+    name = body.get("name")
+    if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME:
+        raise BadRequest(f"'name' must be a non-empty string of at most {MAX_NAME} characters",
+                         code="invalid_type" if "name" in body else "bad_request")
+    admin = body.get("admin", False)
+    if not isinstance(admin, bool):
+        raise BadRequest("'admin' must be a JSON boolean (true or false)", code="invalid_type")
+    limits = quotas.parse_overrides(body.get("limits", {}))
+    return name.strip(), admin, quotas.apply_overrides({}, limits)
+
+
+@routes.post("/v1/keys")
+async def create_key(request: web.Request) -> web.Response:
+    _require_admin(request)
+    name, admin, limits = validate_new_key(await read_json(request))
+    key, secret = request.app[REGISTRY_KEY].create_key(name, admin=admin, limits=limits)
+    return json_response(key_view(key, _defaults(request)) | {"key": secret}, status=201)
+
+
+@routes.get("/v1/keys")
+async def list_keys(request: web.Request) -> web.Response:
+    _require_admin(request)
+    revoked = request.query.get("revoked", "0") == "1"
+    keys = request.app[REGISTRY_KEY].list_keys(include_revoked=revoked)
+    return json_response({"keys": [key_view(k, _defaults(request)) for k in keys]})
+
+
+@routes.patch("/v1/keys/{key_id}")
+async def update_key(request: web.Request) -> web.Response:
+    _require_admin(request)
+    body = parse_object(await read_json(request), {"limits"})
+    registry = request.app[REGISTRY_KEY]
+    key = _get(request)
+    if "limits" in body:
+        overrides = quotas.apply_overrides(key.limits, quotas.parse_overrides(body["limits"]))
+        registry.set_key_limits(key.id, overrides)
+    return json_response(key_view(_get(request), _defaults(request)))
+
+
+@routes.delete("/v1/keys/{key_id}")
+async def revoke_key(request: web.Request) -> web.Response:
+    _require_admin(request)
+    key = _get(request)
+    if key.id == current_key(request).id:
+        # Locking oneself out is never what an admin meant; use another admin key.
+        raise BadRequest("a key cannot revoke itself")
+    request.app[REGISTRY_KEY].revoke_key(key.id)
+    return web.Response(status=204)
+
+
+def _get(request: web.Request) -> ApiKey:
+    key = request.app[REGISTRY_KEY].get_key(request.match_info["key_id"])
+    if key is None:
+        raise NotFound(f"key {request.match_info['key_id']!r} not found", code="key_not_found")
+    return key
