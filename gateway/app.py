@@ -9,13 +9,12 @@ leaves VMMs running; the next start re-adopts them.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from aiohttp import web
 
-from gateway import api, api_interp, api_keys, metrics, openapi, preview, terminal
+from gateway import api, api_interp, api_keys, at_rest, metrics, openapi, preview, terminal
 from gateway.config import Config
 from gateway.middleware import (
     REGISTRY_KEY,
@@ -45,12 +44,7 @@ def ensure_admin_key(registry: Registry, data_dir: Path) -> Path | None:
     if registry.has_admin_key():
         return None
     _, secret = registry.create_key("admin", admin=True)
-    path = data_dir / "admin.key"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secret + "\n")
-    os.chmod(path, 0o600)
-    return path
+    return at_rest.write_secret(data_dir / "admin.key", secret + "\n")
 
 
 async def load_goldens(config: Config) -> tuple[vm_backend.Backend | None, dict[str, Golden]]:
@@ -126,7 +120,7 @@ async def _wake_header(request: web.Request, response: web.StreamResponse) -> No
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG_KEY]
-    config.server.data_dir.mkdir(parents=True, exist_ok=True)
+    at_rest.private_dir(config.server.data_dir)
     registry = Registry(config.server.data_dir / "registry.sqlite")
     app[REGISTRY_KEY] = registry
     key_path = ensure_admin_key(registry, config.server.data_dir)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from aiohttp.web_urldispatcher import AbstractRuleMatching, MatchedSubAppResource
 
-from gateway import info, sessions
+from gateway import browser_rules, info, sessions
 from gateway.api import SERVICE_KEY, json_response, read_json
 from gateway.config import Config
 from gateway.errors import (
@@ -44,20 +44,20 @@ from gateway.lifecycle import State
 from gateway.middleware import REGISTRY_KEY, Handler, current_key, error_response
 from gateway.preview_auth import (
     ACCESS_KEY,
-    COOKIE,
     TOKEN_HEADER,
     TOKEN_PARAM,
     AccessStore,
     Allow,
     Credentials,
     Deny,
+    cookie_name,
     decide,
     preview_view,
+    require_previewable,
     validate_public_ports,
 )
 from gateway.proxy import PROXY_KEY, Proxy, Target, UpstreamPool, deferred_expect, is_websocket
-from gateway.proxy_headers import read_cookie, strip_query_param
-from guest.protocol import AGENT_PORT
+from gateway.proxy_headers import strip_query_param
 from vmctl.errors import VmctlError
 
 _PORT = r"(6553[0-5]|655[0-2]\d|65[0-4]\d\d|6[0-4]\d{3}|[1-5]\d{4}|[1-9]\d{0,3})"
@@ -153,30 +153,41 @@ async def _serve_host(request: web.Request, found: PreviewHost | SessionHost) ->
         sandbox_id, port = session.sandbox_id, session.port
     else:
         sandbox_id, port = found.sandbox_id, found.port
-    if port == AGENT_PORT or not 0 < port < 65536:
-        # The guest agent has no authentication of its own: it is only ever reached by the
-        # daemon, never through a preview URL.
-        raise Forbidden(f"port {port} is reserved and cannot be previewed", code="port_reserved")
+    require_previewable(port)
     rec = cfg[REGISTRY_KEY].get(sandbox_id)
     if rec is None or rec.state is State.DESTROYED:
         raise SandboxNotFound(sandbox_id)
+    # Secure (and the __Host- name) when the URLs we hand out are https: behind a TLS proxy
+    # the daemon itself only ever sees http.
+    secure = request.scheme == "https" or cfg[info.SERVER_KEY].public_scheme == "https"
+    cookie = cookie_name(found.hostname, secure)
     creds = Credentials(header=request.headers.get(TOKEN_HEADER),
-                        cookie=read_cookie(request.headers.getall("Cookie", []), COOKIE),
+                        cookies=browser_rules.read_cookies(request.headers.getall("Cookie", []),
+                                                           cookie),
                         query=request.query.get(TOKEN_PARAM))
-    redirectable = request.method in ("GET", "HEAD") and not is_websocket(request)
+    websocket = is_websocket(request)
+    redirectable = request.method in ("GET", "HEAD") and not websocket
     decision = decide(cfg[ACCESS_KEY].get(sandbox_id), port, found.hostname, creds,
-                      redirectable=redirectable, secure=request.scheme == "https")
+                      redirectable=redirectable, secure=secure)
     if isinstance(decision, Deny):
         raise Unauthorized(decision.message, code=decision.code)
+    if (isinstance(decision, Allow) and decision.ambient
+            and browser_rules.needs_same_origin(request.method, websocket)
+            and not browser_rules.origin_allowed(request.headers.getall("Origin", []),
+                                                 found.hostname)):
+        raise Forbidden(f"cross-origin {'WebSocket' if websocket else request.method} refused: "
+                        f"the preview cookie only authorises pages on {found.hostname}",
+                        code="cross_origin_refused")
     path, _, query = request.raw_path.partition("?")
     if not isinstance(decision, Allow) or decision.strip_query_token:
         query = strip_query_param(query, TOKEN_PARAM)
     path_qs = f"{path}?{query}" if query else path
     if not isinstance(decision, Allow):  # Redirect: set the cookie, drop the token from the URL
         return web.Response(status=302, headers={
-            "Location": path_qs, "Set-Cookie": decision.set_cookie, "Cache-Control": "no-store"})
+            "Location": browser_rules.safe_location(path_qs), "Set-Cookie": decision.set_cookie,
+            "Cache-Control": "no-store"})
     target = Target(rec.tenant, sandbox_id, port, path_qs,
-                    drop_headers=frozenset({TOKEN_HEADER.lower()}), drop_cookie=COOKIE,
+                    drop_headers=frozenset({TOKEN_HEADER.lower()}), drop_cookie=cookie,
                     set_cookie=decision.set_cookie)
     return await cfg[PROXY_KEY].handle(request, target)
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway import at_rest
 from gateway.lifecycle import Event, State, next_state
 
 SCHEMA = """
@@ -95,6 +96,7 @@ class Registry:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.host = socket.gethostname()
+        at_rest.private_file(Path(path))  # 0600 before SQLite opens it (its -wal/-shm follow)
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")

@@ -38,11 +38,11 @@ from gateway.api import json_response, read_json
 from gateway.errors import BadRequest, Conflict, NotFound, SandboxNotFound
 from gateway.lifecycle import State
 from gateway.middleware import current_key
-from gateway.preview_auth import ACCESS_KEY, COOKIE, TOKEN_HEADER
+from gateway.preview_auth import ACCESS_KEY, COOKIE, TOKEN_HEADER, require_previewable
 from gateway.proxy import PROXY_KEY, Target, deferred_expect
 from gateway.registry import Registry
 from gateway.sandboxes import SandboxService, parse_metadata, parse_object, parse_seconds
-from guest.protocol import CommandRequest
+from guest.protocol import AGENT_PORT, CommandRequest
 from vmctl import agent_interp
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,9 @@ def validate_spec(body: Any) -> SessionSpec:
     port, template, start = body.get("port", 8000), body.get("template"), body.get("start")
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise BadRequest("'port' must be a port number (1-65535)")
+    if port == AGENT_PORT:
+        raise BadRequest(f"port {AGENT_PORT} is the guest agent's and cannot be a session's "
+                         "port", code="port_reserved")
     if template is not None and (not isinstance(template, str) or not template):
         raise BadRequest("'template' must be a non-empty string")
     if start is not None and (not isinstance(start, str) or not start.strip()):
@@ -268,6 +271,7 @@ async def proxy_session(request: web.Request) -> web.StreamResponse:
     session = _sessions(request).get(tenant, request.match_info["name"])
     if not session.sandbox_id:
         raise NotFound(f"session {session.name!r} has no sandbox yet", code="session_not_ready")
+    require_previewable(session.port)  # also for a row written before the PUT refused it
     prefix = f"/v1/sessions/{session.name}/proxy"
     raw = request.raw_path
     rest = raw[len(prefix):] if raw.startswith(prefix) else "/" + request.match_info.get("path", "")

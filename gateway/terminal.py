@@ -25,9 +25,11 @@ import logging
 import aiohttp
 from aiohttp import WSMsgType, web
 
+from gateway import browser_rules
 from gateway.api import SERVICE_KEY
-from gateway.errors import BadRequest
+from gateway.errors import BadRequest, Forbidden
 from gateway.middleware import current_key
+from gateway.preview import HOSTS_KEY
 from guest.protocol import (
     DEFAULT_COLS,
     DEFAULT_ROWS,
@@ -70,6 +72,7 @@ def _size(request: web.Request) -> tuple[int, int]:
 @routes.get("/v1/sandboxes/{id}/terminal")
 async def terminal(request: web.Request) -> web.StreamResponse:
     cols, rows = _size(request)
+    _refuse_guest_origin(request)
     ws = web.WebSocketResponse(max_msg_size=0, heartbeat=HEARTBEAT)
     if not ws.can_prepare(request).ok:
         raise BadRequest("the terminal is a WebSocket: send an Upgrade request",
@@ -89,6 +92,18 @@ async def terminal(request: web.Request) -> web.StreamResponse:
             if not ws.closed:
                 await ws.close(code=1011)
     return ws
+
+
+def _refuse_guest_origin(request: web.Request) -> None:
+    """A page served by a guest app (any preview or session host) never opens a terminal.
+    Browsers cannot attach an API key to a WebSocket, so this is defence in depth: it holds
+    even if a key ever leaks into such a page. Other Origins are allowed (a UI's backend
+    proxying the socket passes its browser's Origin on)."""
+    hosts = request.config_dict.get(HOSTS_KEY)
+    if hosts is not None and browser_rules.from_guest_page(
+            request.headers.getall("Origin", []), lambda h: hosts.classify(h) is not None):
+        raise Forbidden("a terminal cannot be opened from a preview or session page",
+                        code="cross_origin_refused")
 
 
 async def relay(client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocketResponse) -> None:

@@ -12,6 +12,7 @@ from gateway.preview_auth import (
     Credentials,
     Deny,
     Redirect,
+    cookie_name,
     cookie_value,
     decide,
     new_token,
@@ -19,6 +20,7 @@ from gateway.preview_auth import (
     validate_public_ports,
 )
 from gateway.registry import Registry
+from guest.protocol import AGENT_PORT
 
 HOST = "8000-0123456789abcdef.localhost"
 ACCESS = Access("pv_secret", frozenset({3000}))
@@ -40,18 +42,47 @@ def test_header_token():
 
 def test_cookie_is_bound_to_its_host_and_token():
     good = cookie_value("pv_secret", HOST)
-    assert run(Credentials(cookie=good)) == Allow()
-    assert isinstance(run(Credentials(cookie=good), host="9000-0123456789abcdef.localhost"), Deny)
-    assert isinstance(run(Credentials(cookie=cookie_value("pv_old", HOST))), Deny)
-    assert isinstance(run(Credentials(cookie="pv_secret")), Deny)  # the raw token is no cookie
+    assert run(Credentials(cookies=(good,))) == Allow(ambient=True)
+    assert isinstance(run(Credentials(cookies=(good,)),
+                          host="9000-0123456789abcdef.localhost"), Deny)
+    assert isinstance(run(Credentials(cookies=(cookie_value("pv_old", HOST),))), Deny)
+    assert isinstance(run(Credentials(cookies=("pv_secret",))), Deny)  # the raw token is no cookie
+
+
+def test_a_planted_cookie_of_the_same_name_cannot_shadow_ours():
+    good = cookie_value("pv_secret", HOST)
+    # A sibling host set junk under our name for the parent domain: ours is still found,
+    # whichever order the browser sends them in; junk alone is still refused.
+    assert run(Credentials(cookies=("junk", good))) == Allow(ambient=True)
+    assert run(Credentials(cookies=(good, "junk"))) == Allow(ambient=True)
+    assert run(Credentials(cookies=("junk",))).code == "invalid_preview_token"
+
+
+def test_only_the_cookie_alone_is_ambient():
+    good = cookie_value("pv_secret", HOST)
+    assert run(Credentials(header="pv_secret")).ambient is False
+    assert run(Credentials(header="pv_secret", cookies=(good,))).ambient is False
+    assert run(Credentials(cookies=(good,), query="pv_secret")).ambient is False
+    assert run(Credentials(query="pv_secret"), redirectable=False).ambient is False
+    assert run(port=3000).ambient is False  # public: nothing of ours to abuse
+
+
+def test_cookie_names_are_per_host_and_host_prefixed_when_secure():
+    other = "8001-0123456789abcdef.localhost"
+    assert cookie_name(HOST, False) != cookie_name(other, False)
+    assert cookie_name(HOST, False) == cookie_name(HOST.upper(), False)
+    assert cookie_name(HOST, False).startswith("agentbox_preview_")
+    assert cookie_name(HOST, True) == "__Host-" + cookie_name(HOST, False)
 
 
 def test_query_token_redirects_browsers_and_sets_the_cookie():
     d = run(Credentials(query="pv_secret"))
     assert isinstance(d, Redirect)
-    assert d.set_cookie == (f"agentbox_preview={cookie_value('pv_secret', HOST)}; Path=/; "
-                            "HttpOnly; SameSite=Lax")
-    assert run(Credentials(query="pv_secret"), secure=True).set_cookie.endswith("; Secure")
+    assert d.set_cookie == (f"{cookie_name(HOST, False)}={cookie_value('pv_secret', HOST)}; "
+                            "Path=/; HttpOnly; SameSite=Lax")
+    secure = run(Credentials(query="pv_secret"), secure=True).set_cookie
+    assert secure.startswith(f"__Host-{cookie_name(HOST, False)}=") and secure.endswith("; Secure")
+    assert "Domain" not in secure  # __Host- cookies must not have one
 
 
 def test_query_token_on_websockets_and_posts_goes_through_with_the_cookie():
@@ -62,7 +93,7 @@ def test_query_token_on_websockets_and_posts_goes_through_with_the_cookie():
 
 def test_someone_elses_query_token_is_left_for_the_app():
     good = cookie_value("pv_secret", HOST)
-    assert run(Credentials(cookie=good, query="jupyter")) == Allow(strip_query_token=False)
+    assert run(Credentials(cookies=(good,), query="jupyter")) == Allow(ambient=True)
     assert run(Credentials(query="jupyter")).code == "invalid_preview_token"
 
 
@@ -81,6 +112,9 @@ def test_public_ports_validation():
     for bad in (None, 8000, [0], [65536], ["80"], [True], list(range(1, 100))):
         with pytest.raises(BadRequest):
             validate_public_ports(bad)
+    with pytest.raises(BadRequest) as err:
+        validate_public_ports([8000, AGENT_PORT])  # the agent is never public
+    assert err.value.code == "port_reserved"
 
 
 def test_store_mints_persists_rotates(tmp_path):
