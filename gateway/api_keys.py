@@ -26,9 +26,10 @@ MAX_NAME = 200
 routes = web.RouteTableDef()
 
 
-def key_view(key: ApiKey, defaults: quotas.Limits) -> dict[str, Any]:
+def key_view(key: ApiKey, tenancy: quotas.TenancyConfig) -> dict[str, Any]:
+    limits = tenancy.limits_for(key.admin, key.limits)
     return {"id": key.id, "name": key.name, "admin": key.admin, "created_at": key.created_at,
-            "revoked": key.revoked, "limits": defaults.merged(key.limits).as_dict(),
+            "revoked": key.revoked, "limits": limits.as_dict(),
             "overrides": key.limits}
 
 
@@ -37,8 +38,8 @@ def _require_admin(request: web.Request) -> None:
         raise Forbidden("only an admin key can manage keys")
 
 
-def _defaults(request: web.Request) -> quotas.Limits:
-    return request.app[TENANCY_KEY].limits
+def _defaults(request: web.Request) -> quotas.TenancyConfig:
+    return request.app[TENANCY_KEY]
 
 
 def validate_new_key(body: Any) -> tuple[str, bool, dict[str, Any]]:

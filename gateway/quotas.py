@@ -3,7 +3,8 @@ config's defaults, and the quota decisions. No I/O: the caller measures usage.
 
 Theory of operation
 -------------------
-``[tenancy]`` in the config gives every key the same defaults (``Limits``); a key
+``[tenancy]`` in the config gives every non-admin key the same defaults (``Limits``;
+admin keys start unlimited); a key
 may carry overrides (``agentbox keys set``, ``PATCH /v1/keys/{id}``), stored as a
 JSON object on its registry row. The effective limits are the defaults with the
 overrides applied; 0 means "no limit" for every field.
@@ -107,6 +108,11 @@ class TenancyConfig:
     def limits(self) -> Limits:
         return Limits(self.max_sandboxes, self.max_awake, self.max_disk_mib, self.rate,
                       self.burst)
+
+    def limits_for(self, admin: bool, overrides: dict[str, Any]) -> Limits:
+        """A key's effective limits. Admin keys (the operator's) are not limited by the
+        defaults, only by overrides set on them."""
+        return (Limits() if admin else self.limits).merged(overrides)
 
 
 @dataclass(frozen=True)

@@ -117,8 +117,9 @@ class RateLimiter:
         if wait:
             raise _limited(f"too many requests from {addr}", wait)
 
-    def check_key(self, key_id: str, overrides: dict) -> None:  # type: ignore[type-arg]
-        limits = self.config.limits.merged(overrides)
+    def check_key(self, key_id: str, overrides: dict,  # type: ignore[type-arg]
+                  admin: bool = False) -> None:
+        limits = self.config.limits_for(admin, overrides)
         if not limits.rate:
             return
         wait = self.keys.take(key_id, limits.rate, limits.burst, self.clock())
@@ -146,5 +147,5 @@ async def address_rate_middleware(request: web.Request, handler: Handler) -> web
 async def key_rate_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     key = request.get(TENANT_KEY)  # None on the public paths (no key needed)
     if key is not None and request.path not in EXEMPT_PATHS:
-        request.app[LIMITER_KEY].check_key(key.id, key.limits)
+        request.app[LIMITER_KEY].check_key(key.id, key.limits, key.admin)
     return await handler(request)

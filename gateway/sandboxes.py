@@ -184,7 +184,9 @@ class SandboxService:
     def limits(self, tenant: str) -> quotas.Limits:
         """A key's effective limits: the [tenancy] defaults with its overrides."""
         key = self.registry.get_key(tenant)
-        return self.config.tenancy.limits.merged(key.limits if key else {})
+        if key is None:
+            return self.config.tenancy.limits
+        return self.config.tenancy.limits_for(key.admin, key.limits)
 
     def _usage(self, tenant: str, measure_disk: bool = False) -> quotas.Usage:
         recs = self.registry.list(tenant)

@@ -137,3 +137,11 @@ def test_the_sdk_maps_the_new_codes():
     rate = ex.from_response(429, {"error": {"code": "rate_limited", "message": "m"}},
                             {"Retry-After": "3"})
     assert type(rate) is ex.RateLimitError and rate.retry_after == 3.0
+
+
+def test_admin_keys_start_unlimited_but_keep_their_own_overrides():
+    from gateway.quotas import Limits, TenancyConfig
+    cfg = TenancyConfig(max_sandboxes=5, max_awake=2, rate=10, burst=20)
+    assert cfg.limits_for(False, {}).max_awake == 2 and cfg.limits_for(False, {}).rate == 10
+    assert cfg.limits_for(True, {}) == Limits()
+    assert cfg.limits_for(True, {"max_awake": 3}).max_awake == 3
