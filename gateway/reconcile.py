@@ -42,14 +42,14 @@ async def reconcile(service: SandboxService) -> None:
             continue
         if pid:
             owned.add(pid)
-    await _kill_orphan_vmms(service.sandboxes_dir, owned)
+    await _kill_orphan_vmms(service.sandboxes_dir, owned, _jail_base(service))
     await _remove_unused_build_namespaces()
 
 
 async def _recover(service: SandboxService, rec: SandboxRecord) -> int | None:
     """Returns the pid of a VMM that was kept (adopted)."""
     record = VMMRecord(**rec.vmm) if rec.vmm else None
-    alive = record is not None and _is_our_vmm(record.pid, rec.root)
+    alive = record is not None and _is_our_vmm(record, rec.root)
     if rec.state is State.DESTROYED and not alive and not _leftovers(rec):
         return None
     ctl = service.controller(rec)
@@ -141,26 +141,47 @@ def _last_transition_at(service: SandboxService, rec: SandboxRecord) -> float:
     return float(log_rows[-1]["at"]) if log_rows else 0.0
 
 
-def _is_our_vmm(pid: int, root: str) -> bool:
-    """Alive *and* still the VMM we recorded (guards against pid reuse)."""
-    if not pid_alive(pid):
+def _is_our_vmm(record: VMMRecord, root: str) -> bool:
+    """Alive *and* still the VMM we recorded (guards against pid reuse): its command line
+    names the sandbox directory, or (a jailed Firecracker, whose command line names only
+    paths inside its jail) it is chrooted where its recorded API socket is."""
+    if not pid_alive(record.pid):
         return False
     try:
-        return root.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+        if root.encode() in Path(f"/proc/{record.pid}/cmdline").read_bytes():
+            return True
+        return os.readlink(f"/proc/{record.pid}/root") == str(
+            Path(record.control_socket).parent)
     except OSError:
         return False
 
 
-async def _kill_orphan_vmms(sandboxes_dir: Path, owned: set[int]) -> None:
+def _jail_base(service: SandboxService) -> Path | None:
+    """Where this daemon's jailed Firecracker VMMs live (``<chroot_base>/firecracker``)."""
+    backend = service.backend
+    fc = backend.config.firecracker
+    if backend.driver_name != "firecracker" or not fc.jailer:
+        return None
+    return fc.chroot_base / "firecracker"
+
+
+async def _kill_orphan_vmms(sandboxes_dir: Path, owned: set[int],
+                            jail_base: Path | None = None) -> None:
+    """Kill VMMs nothing owns: those naming our sandboxes dir in their command line, and
+    jailed ones chrooted under our jail base (``chroot_base`` is one daemon's own)."""
     marker = str(sandboxes_dir).encode() + b"/"
+    jails = str(jail_base).encode() + b"/" if jail_base else None
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) in owned:
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes()
+            jailed = jails is not None and b"firecracker" in cmdline and \
+                os.fsencode(os.readlink(entry / "root")).startswith(jails)
         except OSError:
             continue
-        if marker in cmdline and (b"qemu-system" in cmdline or b"firecracker" in cmdline):
+        if jailed or (marker in cmdline and (b"qemu-system" in cmdline
+                                             or b"firecracker" in cmdline)):
             log.warning("killing VMM pid %s that no sandbox owns", entry.name)
             await kill_pid(int(entry.name), timeout=2.0)
 

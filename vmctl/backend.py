@@ -20,6 +20,7 @@ so the rest of vmctl (golden snapshots, Machine) stays VMM-agnostic:
 from __future__ import annotations
 
 import logging
+import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,18 +54,22 @@ class FirecrackerConfig:
     """``[firecracker]``: how to run the ``firecracker`` binary (see docs/bare-metal.md)."""
 
     binary: str = "firecracker"  # a name on PATH or an absolute path
-    jailer: bool = False  # run each VMM through `jailer` (chroot, uid/gid, cgroup v2)
+    jailer: bool = True  # run each VMM through `jailer` (chroot, own uid/gid, cgroup)
     jailer_binary: str = "jailer"
-    uid: int | None = None  # required with jailer = true
+    # One uid/gid for every jailed VMM; unset (the default), each VMM gets its sandbox's
+    # own uid from [confine] uid_base, as QEMU VMMs do.
+    uid: int | None = None
     gid: int | None = None
-    chroot_base: Path = Path("/srv/jailer")  # same filesystem as the data dir
+    # This daemon's alone (start-up kills jailed VMMs under it that no sandbox owns), on
+    # the same filesystem as the data dir (disks are hard-linked in).
+    chroot_base: Path = Path("/srv/jailer")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "chroot_base", Path(self.chroot_base))
         if not self.binary:
             raise ValueError("firecracker.binary must not be empty")
-        if self.jailer and (self.uid is None or self.gid is None):
-            raise ValueError("firecracker.uid and firecracker.gid are required with jailer = true")
+        if (self.uid is None) != (self.gid is None):
+            raise ValueError("firecracker.uid and firecracker.gid go together")
         if self.jailer:
             self.jailer_config()  # JailerConfig's own checks, at start-up
 
@@ -72,7 +77,6 @@ class FirecrackerConfig:
         if not self.jailer:
             return None
         from vmctl.drivers.firecracker import JailerConfig
-        assert self.uid is not None and self.gid is not None
         return JailerConfig(uid=self.uid, gid=self.gid, binary=self.jailer_binary,
                             chroot_base=self.chroot_base)
 
@@ -137,7 +141,10 @@ class Backend:
         """This backend with VMM confinement set up for the daemon owning ``data_dir``
         (its own parent cgroup, swept of what a crashed run left)."""
         cfg = self.config.confine
-        if not cfg.enabled or self.driver_name != "qemu":
+        if self.driver_name == "firecracker":
+            # The jailer confines (chroot, uid, cgroup); we only hand out the uids.
+            return replace(self, confined=self.config.firecracker.jailer)
+        if not cfg.enabled:
             return self
         if os.geteuid() != 0:
             log.warning("VMM confinement is on but the daemon is not root: VMMs run unconfined")
@@ -183,11 +190,13 @@ async def select(config: VMConfig, kernel: Path) -> Backend:
         if usable and not config.firecracker_kernel.is_file():
             usable, why = False, (f"Firecracker guest kernel {config.firecracker_kernel} "
                                   "is not built (make kernel-firecracker)")
+        fc = config.firecracker
+        if usable and fc.jailer and shutil.which(fc.jailer_binary) is None:
+            usable, why = False, (f"jailer {fc.jailer_binary!r} is not on PATH (install it "
+                                  "from the same release, or set firecracker.jailer = false)")
         if usable:
-            log.info("VMM: firecracker (%s)", why)
-            if config.firecracker.jailer:
-                log.warning("VMM: firecracker runs jailed; see docs/bare-metal.md for what "
-                            "the daemon does not do for jailed VMMs yet")
+            log.info("VMM: firecracker (%s; %s)", why,
+                     "jailed" if fc.jailer else "NOT jailed: firecracker.jailer = false")
             return Backend("firecracker", Accel.KVM, why, config)
         if config.vmm == "firecracker":
             raise RuntimeError(f"vm.vmm = 'firecracker' but Firecracker is not usable: {why}")

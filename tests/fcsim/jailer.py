@@ -34,7 +34,10 @@ def main(argv: list[str]) -> int:
     exec_file = Path(args.exec_file)
     if not (exec_file.is_absolute() and exec_file.is_file() and "firecracker" in exec_file.name):
         return _fail(f"invalid exec file {exec_file}")
-    if args.netns and not Path(args.netns).exists():
+    netns = Path(args.netns) if args.netns else None
+    if netns is not None and os.environ.get("FCSIM_NETNS_DIR"):  # tests' fake namespaces
+        netns = Path(os.environ["FCSIM_NETNS_DIR"]) / netns.name
+    if netns is not None and not netns.exists():
         return _fail(f"cannot open netns {args.netns}")
     if any("=" not in c for c in args.cgroup + args.resource_limit):
         return _fail("cgroup and resource-limit values must be NAME=VALUE")

@@ -41,7 +41,8 @@ from vmctl import backend as backend_mod
 from vmctl import golden as golden_mod
 from vmctl import machine as machine_mod
 from vmctl import network, store
-from vmctl.backend import FIRECRACKER_INIT, Backend, VMConfig, select
+from vmctl.backend import FIRECRACKER_INIT, Backend, FirecrackerConfig, VMConfig, select
+from vmctl.confine import slot_uid_offset
 from vmctl.driver import pid_alive
 from vmctl.drivers.fc_api import boot_args
 from vmctl.drivers.firecracker import FirecrackerDriver, JailerConfig
@@ -142,11 +143,18 @@ def _template(root: Path) -> Any:
 
 
 def _fake_host(monkeypatch: pytest.MonkeyPatch, host: Host) -> None:
-    async def create(slot: network.NetSlot, config: network.NetworkConfig) -> None:
+    netns_dir = host.root / "netns"  # what the fake jailer's --netns checks
+    netns_dir.mkdir()
+    monkeypatch.setenv("FCSIM_NETNS_DIR", str(netns_dir))
+
+    async def create(slot: network.NetSlot, config: network.NetworkConfig, *,
+                     tap_owner: int | None = None) -> None:
         host.net.append(("create", slot.netns))
+        (netns_dir / slot.netns).touch()
 
     async def destroy(slot: network.NetSlot) -> None:
         host.net.append(("destroy", slot.netns))
+        (netns_dir / slot.netns).unlink(missing_ok=True)
 
     original_quit = FirecrackerDriver._quit
 
@@ -172,7 +180,8 @@ def _fake_host(monkeypatch: pytest.MonkeyPatch, host: Host) -> None:
 
 
 async def _backend(host: Host) -> Backend:
-    config = VMConfig(vmm="firecracker", firecracker_kernel=host.kernel_link, network=NET)
+    config = VMConfig(vmm="firecracker", firecracker_kernel=host.kernel_link, network=NET,
+                      firecracker=FirecrackerConfig(jailer=False))
     backend = await select(config, kernel=host.image.kernel)
     assert (backend.driver_name, backend.accel, backend.key) == (
         "firecracker", Accel.KVM, "firecracker-kvm")
@@ -239,6 +248,34 @@ async def test_golden_boots_the_firecracker_kernel_on_a_raw_copy(host: Host) -> 
 
 
 # -- a sandbox's life -------------------------------------------------------------------------
+
+
+async def test_jailed_by_default_each_sandbox_as_its_own_uid(host: Host) -> None:
+    """The default: every VMM through the jailer, as the uid its slot gives it, with the
+    files it opens linked into its jail and owned by that uid."""
+    jails = host.root / "jail"
+    config = VMConfig(vmm="firecracker", firecracker_kernel=host.kernel_link, network=NET,
+                      firecracker=FirecrackerConfig(chroot_base=jails))
+    backend = (await select(config, kernel=host.image.kernel)).for_daemon(host.root / "data")
+    assert backend.confined and backend.cgroups is None  # the jailer makes the cgroups
+    golden = await ensure_golden(host.image, backend, progress=lambda _: None)
+    owners = {}
+    for i in range(2):
+        plan = MachinePlan(vm_id=f"sb-{i}", root=host.root / "sb" / f"sb-{i}",
+                           slot=network.slot_for(i, f"sb-{i}", NET), golden=golden)
+        m = Machine(plan, backend)
+        await m.create()
+        jail = jails / "firecracker" / plan.vm_id / "root"
+        expected = 200000 + slot_uid_offset(plan.slot.host_addr)
+        assert m.driver is not None and m.driver.control_socket == jail / "api.socket"
+        owners[plan.vm_id] = {p.name: p.stat().st_uid for p in jail.iterdir() if p.is_file()}
+        assert set(owners[plan.vm_id].values()) == {expected}, owners
+        await m.suspend()
+        await m.wake()
+        await m.destroy()
+        assert not (jails / "firecracker" / plan.vm_id).exists()
+    assert owners["sb-0"] != owners["sb-1"]  # two sandboxes, two uids
+    assert _our_processes(host.root) == []
 
 
 async def test_create_suspend_wake_cold_boot_destroy(host: Host) -> None:
@@ -381,10 +418,12 @@ chroot_base = "{tmp_path / 'jail'}"
     assert isinstance(driver, FirecrackerDriver) and driver.binary == "/opt/fc/firecracker"
     assert driver.jailer == JailerConfig(uid=1500, gid=1501, binary="/opt/fc/jailer",
                                          chroot_base=tmp_path / "jail")
-    assert load(tmp_path / "none.toml").vm.firecracker.jailer_config() is None  # defaults
-
-    path.write_text("[firecracker]\njailer = true\n")
-    with pytest.raises(ConfigError, match=r"\[firecracker\].*uid"):
+    # Jailed by default, each VMM as its sandbox's own uid.
+    assert load(tmp_path / "none.toml").vm.firecracker.jailer_config() == JailerConfig()
+    path.write_text("[firecracker]\njailer = false\n")
+    assert load(path).vm.firecracker.jailer_config() is None
+    path.write_text("[firecracker]\nuid = 1500\n")
+    with pytest.raises(ConfigError, match=r"\[firecracker\].*gid"):
         load(path)
     path.write_text("[firecracker]\nbinaries = 1\n")
     with pytest.raises(ConfigError, match="binaries"):

@@ -141,8 +141,8 @@ class JailerConfig:
     the driver tracks the pid it started.
     """
 
-    uid: int
-    gid: int
+    uid: int | None = None  # None: the VMM's spec.confinement says (one uid per sandbox)
+    gid: int | None = None
     binary: str = "jailer"
     chroot_base: Path = Path("/srv/jailer")
     cgroup_version: int = 2
@@ -151,7 +151,7 @@ class JailerConfig:
     resource_limits: tuple[str, ...] = ()  # "<resource>=<value>", e.g. "no-file=1024"
 
     def __post_init__(self) -> None:
-        if self.uid < 0 or self.gid < 0:
+        if (self.uid is not None and self.uid < 0) or (self.gid is not None and self.gid < 0):
             raise ValueError("jailer uid and gid must be >= 0")
         if self.cgroup_version not in (1, 2):
             raise ValueError("jailer cgroup_version must be 1 or 2")
@@ -167,16 +167,29 @@ def jail_root(cfg: JailerConfig, firecracker: str, vm_id: str) -> Path:
     return cfg.chroot_base / Path(firecracker).name / vm_id / "root"
 
 
+def jail_owner(cfg: JailerConfig, spec: VMSpec) -> tuple[int, int]:
+    """The uid/gid a jailed VMM runs as: the configured one, else its sandbox's own."""
+    if cfg.uid is not None and cfg.gid is not None:
+        return cfg.uid, cfg.gid
+    if spec.confinement is None:
+        raise VMStartError("a jailed Firecracker needs firecracker.uid/gid or a per-sandbox "
+                           "uid (the daemon sets one)")
+    return spec.confinement.uid, spec.confinement.gid
+
+
 def jailer_argv(cfg: JailerConfig, firecracker: str, vm_id: str,
-                netns: str | None = None) -> list[str]:
+                netns: str | None = None, owner: tuple[int, int] | None = None) -> list[str]:
     """The jailer command line (pure; the API socket ends up at jail_root/api.socket)."""
+    uid, gid = owner or (cfg.uid, cfg.gid)
+    if uid is None or gid is None:
+        raise ValueError("jailer_argv needs a uid and gid")
     if not _JAIL_ID_RE.fullmatch(vm_id):
         raise ValueError(f"jailer id {vm_id!r}: 1-64 letters, digits and hyphens")
     if not os.path.isabs(firecracker) or "firecracker" not in Path(firecracker).name:
         raise ValueError(f"jailer exec file {firecracker!r} must be an absolute path "
                          "to a file named *firecracker*")
     argv = [cfg.binary, "--id", vm_id, "--exec-file", firecracker,
-            "--uid", str(cfg.uid), "--gid", str(cfg.gid),
+            "--uid", str(uid), "--gid", str(gid),
             "--chroot-base-dir", str(cfg.chroot_base),
             "--cgroup-version", str(cfg.cgroup_version)]
     for item in cfg.cgroups:
@@ -387,8 +400,8 @@ class FirecrackerDriver(Driver):
                                    f"{exc.strerror} (keep disks and chroot_base on one "
                                    "filesystem)") from exc
             shutil.copyfile(path, target)
-        assert self.jailer is not None
-        os.chown(target, self.jailer.uid, self.jailer.gid)
+        assert self.jailer is not None and self.spec is not None
+        os.chown(target, *jail_owner(self.jailer, self.spec))
         return name
 
     def _vmm_path(self, host_path: Path) -> str:
@@ -399,7 +412,8 @@ class FirecrackerDriver(Driver):
     async def _spawn(self, spec: VMSpec, binary: str) -> None:
         if self.jailer is not None:
             assert self._jail is not None
-            argv = jailer_argv(self.jailer, binary, spec.vm_id, spec.netns)
+            argv = jailer_argv(self.jailer, binary, spec.vm_id, spec.netns,
+                               jail_owner(self.jailer, spec))
             socket_path = self._jail / JAIL_API_SOCKET
         else:
             socket_path = spec.workdir / API_SOCKET
