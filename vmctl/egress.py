@@ -97,8 +97,7 @@ class EgressPolicy:
 
     @classmethod
     def from_config(cls, allow_egress: bool, egress_allow: Iterable[str]) -> EgressPolicy:
-        return cls(allow_egress=allow_egress,
-                   allow=tuple(_v4(c) for c in egress_allow) if allow_egress else ())
+        return cls(allow_egress=allow_egress, allow=tuple(_v4(c) for c in egress_allow))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,101 @@
+"""Real listeners and connection probes for the network-isolation tests.
+
+Every "cannot reach" assertion in the suite aims at a listener opened here, and the same
+listener is first shown to be reachable from somewhere that should reach it, so a missing
+firewall makes the test fail instead of passing on "nothing listens there".
+
+A listener answers each connection with its token and closes, so a probe can tell *which*
+listener it reached. ``probe_code`` is self-contained Python: the same text runs in a test
+namespace (``ip netns exec``) or inside a guest (the ``execute`` API).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from contextlib import contextmanager
+from collections.abc import Iterator
+
+LISTENER = r"""
+import socket, sys
+port, token = int(sys.argv[1]), sys.argv[2].encode()
+s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # IPv4 and IPv6, every address
+s.bind(("::", port))
+s.listen(64)
+print("ready", flush=True)
+while True:
+    c, _ = s.accept()
+    try:
+        c.sendall(token)
+    finally:
+        c.close()
+"""
+
+_PROBE = r"""
+import json, socket
+out = {}
+for label, host, port, source in TARGETS:
+    try:
+        src = (source, 0) if source else None
+        with socket.create_connection((host, port), timeout=TIMEOUT, source_address=src) as c:
+            c.settimeout(TIMEOUT)
+            out[label] = "reached:" + c.recv(100).decode(errors="replace")
+    except OSError as exc:
+        out[label] = "blocked:" + type(exc).__name__
+print("PROBE" + json.dumps(out))
+"""
+
+Target = tuple[str, str, int, str | None]  # label, host, port, source address or None
+
+
+def probe_code(targets: list[Target], timeout: float = 2.0) -> str:
+    return f"TARGETS = {targets!r}\nTIMEOUT = {timeout!r}\n" + _PROBE
+
+
+def parse_probe(stdout: str) -> dict[str, str]:
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("PROBE"))
+    return json.loads(line[len("PROBE"):])
+
+
+def probe(targets: list[Target], netns: str | None = None, timeout: float = 2.0) -> dict[str, str]:
+    """Run the probe on this host, or inside network namespace ``netns``."""
+    prefix = ["ip", "netns", "exec", netns] if netns else []
+    proc = subprocess.run([*prefix, sys.executable, "-c", probe_code(targets, timeout)],
+                          capture_output=True, text=True, timeout=60 + timeout * len(targets))
+    assert proc.returncode == 0, proc.stderr
+    return parse_probe(proc.stdout)
+
+
+@contextmanager
+def listener(port: int, token: str, netns: str | None = None) -> Iterator[None]:
+    """A listener on every address of ``netns`` (or of the host), for the ``with`` block."""
+    prefix = ["ip", "netns", "exec", netns] if netns else []
+    proc = subprocess.Popen([*prefix, sys.executable, "-c", LISTENER, str(port), token],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if line.strip() != "ready":
+            raise RuntimeError(f"listener {token} did not start: {proc.stderr.read()}")
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+def sh(*argv: str) -> str:
+    """Run a command that must succeed (namespace plumbing in tests)."""
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: {proc.stderr.strip()}")
+    return proc.stdout
