@@ -18,8 +18,18 @@ from contextlib import contextmanager
 from collections.abc import Iterator
 
 LISTENER = r"""
-import socket, sys
+import socket, sys, threading
 port, token = int(sys.argv[1]), sys.argv[2].encode()
+if len(sys.argv) > 3:  # also log UDP datagrams "source payload" to this file (no reply)
+    def udp(log=sys.argv[3]):
+        u = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+        u.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        u.bind(("::", port))
+        while True:
+            data, src = u.recvfrom(512)
+            with open(log, "a") as f:
+                f.write(f"{src[0]} {data.decode(errors='replace')}\n")
+    threading.Thread(target=udp, daemon=True).start()
 s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # IPv4 and IPv6, every address
@@ -70,10 +80,13 @@ def probe(targets: list[Target], netns: str | None = None, timeout: float = 2.0)
 
 
 @contextmanager
-def listener(port: int, token: str, netns: str | None = None) -> Iterator[None]:
-    """A listener on every address of ``netns`` (or of the host), for the ``with`` block."""
+def listener(port: int, token: str, netns: str | None = None,
+             udp_log: str | None = None) -> Iterator[None]:
+    """A listener on every address of ``netns`` (or of the host), for the ``with`` block;
+    with ``udp_log``, UDP datagrams to the same port are logged there."""
     prefix = ["ip", "netns", "exec", netns] if netns else []
-    proc = subprocess.Popen([*prefix, sys.executable, "-c", LISTENER, str(port), token],
+    extra = [udp_log] if udp_log else []
+    proc = subprocess.Popen([*prefix, sys.executable, "-c", LISTENER, str(port), token, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
