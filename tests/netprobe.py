@@ -46,6 +46,18 @@ while True:
 
 _PROBE = r"""
 import json, socket
+# One-way UDP first, from each source in UDP_SOURCES (None = the default): a listener logs
+# what arrives, so a packet that gets through is seen even when no reply can come back.
+for label, host, port, _ in TARGETS if UDP_NONCE else ():
+    for source in UDP_SOURCES:
+        try:
+            info = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+            with socket.socket(info[0], socket.SOCK_DGRAM) as u:
+                if source:
+                    u.bind((source, 0))
+                u.sendto(f"{UDP_NONCE} {label} {source}".encode(), info[4])
+        except OSError:
+            pass
 out = {}
 for label, host, port, source in TARGETS:
     try:
@@ -61,8 +73,15 @@ print("PROBE" + json.dumps(out))
 Target = tuple[str, str, int, str | None]  # label, host, port, source address or None
 
 
-def probe_code(targets: list[Target], timeout: float = 2.0) -> str:
-    return f"TARGETS = {targets!r}\nTIMEOUT = {timeout!r}\n" + _PROBE
+def probe_code(targets: list[Target], timeout: float = 2.0, udp_nonce: str = "",
+               udp_sources: tuple[str | None, ...] = (None,)) -> str:
+    return (f"TARGETS = {targets!r}\nTIMEOUT = {timeout!r}\nUDP_NONCE = {udp_nonce!r}\n"
+            f"UDP_SOURCES = {udp_sources!r}\n" + _PROBE)
+
+
+def udp_seen(log: str, nonce: str) -> set[str]:
+    """``"label source"`` of every datagram of probe ``nonce`` that a listener logged."""
+    return {line.split(f"{nonce} ", 1)[1] for line in log.splitlines() if f" {nonce} " in line}
 
 
 def parse_probe(stdout: str) -> dict[str, str]:
@@ -70,10 +89,12 @@ def parse_probe(stdout: str) -> dict[str, str]:
     return json.loads(line[len("PROBE"):])
 
 
-def probe(targets: list[Target], netns: str | None = None, timeout: float = 2.0) -> dict[str, str]:
+def probe(targets: list[Target], netns: str | None = None, timeout: float = 2.0,
+          udp_nonce: str = "") -> dict[str, str]:
     """Run the probe on this host, or inside network namespace ``netns``."""
     prefix = ["ip", "netns", "exec", netns] if netns else []
-    proc = subprocess.run([*prefix, sys.executable, "-c", probe_code(targets, timeout)],
+    code = probe_code(targets, timeout, udp_nonce)
+    proc = subprocess.run([*prefix, sys.executable, "-c", code],
                           capture_output=True, text=True, timeout=60 + timeout * len(targets))
     assert proc.returncode == 0, proc.stderr
     return parse_probe(proc.stdout)

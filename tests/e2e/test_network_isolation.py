@@ -24,12 +24,14 @@ import shlex
 import subprocess
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.conftest import start_daemon, stop_daemon, vmm_pids_for
-from tests.netprobe import LISTENER, listener, parse_probe, probe, probe_code, sh
+from tests.netprobe import (LISTENER, listener, parse_probe, probe, probe_code, sh,
+                            udp_seen)
 
 pytestmark = pytest.mark.e2e
 
@@ -51,6 +53,10 @@ INTERNET = {
 }
 EGRESS_ALLOW = ["198.51.100.0/24", "10.99.1.0/24"]
 EGRESS_POOL = "169.254.32.0/20"  # neither config's pool; clear of 169.254.169.254
+GUEST_UDP_LOG = "/tmp/udp.log"  # inside guest B
+# Every guest's own address: a host route to it is a blackhole while this module runs, so that
+# even with a broken firewall no reply to an un-NATed guest packet follows the default route.
+GUEST_NET = "169.254.0.20/30"
 
 
 # --- helpers ------------------------------------------------------------------------------
@@ -61,14 +67,23 @@ def run(api, sid: str, **body) -> dict:
     return r.json()
 
 
-def guest_probe(api, sid: str, targets: list, setup: str = "") -> dict[str, str]:
-    """Probe from inside the guest (as root). ``setup``: shell run first (the guest's tricks)."""
-    if setup:
-        res = run(api, sid, command=setup, timeout=30)
-        assert res["exit_code"] == 0, res
-    out = run(api, sid, code=probe_code(targets, timeout=2), timeout=30 + 3 * len(targets))
+SPOOF = "10.77.0.5"  # a second source the guest gives itself (anti-spoofing must drop it)
+_ADD_SPOOF = (f"ip addr add {SPOOF}/32 dev $(ls /sys/class/net | grep -v '^lo$' | head -1)"
+              " 2>/dev/null; true")
+
+
+def guest_probe(api, sid: str, targets: list, setup: str = "") -> tuple[dict[str, str], str]:
+    """Probe from inside the guest (as root): TCP connects, and one-way UDP datagrams from
+    the guest's address and from a spoofed one. Returns (TCP results, the UDP nonce).
+    ``setup``: shell run first (the guest's tricks)."""
+    nonce = os.urandom(6).hex()
+    res = run(api, sid, command=f"{setup}; {_ADD_SPOOF}" if setup else _ADD_SPOOF, timeout=30)
+    assert res["exit_code"] == 0, res
+    code = probe_code(targets, timeout=2, udp_nonce=nonce, udp_sources=(None, SPOOF))
+    out = run(api, sid, code=code, timeout=30 + 3 * len(targets))
     assert out["exit_code"] == 0, out
-    return parse_probe(out["stdout"])
+    time.sleep(0.5)  # the datagrams went out before the TCP probes; let the logs catch up
+    return parse_probe(out["stdout"]), nonce
 
 
 def route_of(addr: str) -> dict:
@@ -122,9 +137,13 @@ def create(api, template: str = "python") -> str:
 
 
 def start_guest_listener(api, sid: str, token: str) -> None:
-    command = f"python3 -c {shlex.quote(LISTENER)} {PORT} {token}"
+    command = f"python3 -c {shlex.quote(LISTENER)} {PORT} {token} {GUEST_UDP_LOG}"
     r = api.post(f"/v1/sandboxes/{sid}/commands", json={"command": command, "background": True})
     assert r.status_code == 201, r.text
+
+
+def guest_udp_log(api, sid: str) -> str:
+    return run(api, sid, command=f"cat {GUEST_UDP_LOG} 2>/dev/null; true")["stdout"]
 
 
 def wait_reached(targets: list, expect: str, netns: str | None = None, timeout: float = 30):
@@ -138,12 +157,33 @@ def wait_reached(targets: list, expect: str, netns: str | None = None, timeout: 
 
 # --- fixtures -----------------------------------------------------------------------------
 
+@dataclass
+class Listening:
+    addrs: dict[str, str]  # label -> address its listener was reached on (from its side)
+    udp_log: Path
+
+    def udp(self, nonce: str) -> set[str]:
+        return udp_seen(self.udp_log.read_text(), nonce)
+
+
+def _prove_udp(listening: Listening, netns: str | None = None) -> None:
+    """Datagrams sent from the right side arrive in the log (so silence later means drop)."""
+    nonce = os.urandom(6).hex()
+    probe([(k, a, PORT, None) for k, a in listening.addrs.items()], netns=netns,
+          udp_nonce=nonce)
+    time.sleep(0.5)
+    assert listening.udp(nonce) == {f"{k} None" for k in listening.addrs}, listening.addrs
+
+
 @pytest.fixture(scope="module")
 def internet(tmp_path_factory):
     """The test's "internet": a namespace with a listener on every address in INTERNET."""
     udp_log = tmp_path_factory.mktemp("inet") / "udp.log"
     udp_log.touch()
+    blackhole = not json.loads(sh("ip", "-j", "route", "show", "type", "blackhole", GUEST_NET))
     try:
+        if blackhole:
+            sh("ip", "route", "add", "blackhole", GUEST_NET)
         sh("ip", "netns", "add", INET_NS)
         sh("ip", "link", "add", INET_HOST_IF, "type", "veth", "peer", "name", "up0",
            "netns", INET_NS)
@@ -164,10 +204,14 @@ def internet(tmp_path_factory):
         with listener(PORT, "internet", netns=INET_NS, udp_log=str(udp_log)):
             got = wait_reached([(k, a, PORT, None) for k, a in INTERNET.items()], "internet")
             assert all(v == "reached:internet" for v in got.values()), got
-            yield udp_log
+            listening = Listening(dict(INTERNET), udp_log)
+            _prove_udp(listening)
+            yield listening
     finally:
         subprocess.run(["ip", "netns", "del", INET_NS], capture_output=True)
         subprocess.run(["ip", "link", "del", INET_HOST_IF], capture_output=True)
+        if blackhole:
+            subprocess.run(["ip", "route", "del", "blackhole", GUEST_NET], capture_output=True)
     assert INET_NS not in sh("ip", "netns", "list")
     assert not os.path.exists(f"/sys/class/net/{INET_HOST_IF}")
     for addr in INTERNET.values():  # the host routes went with the veth
@@ -175,9 +219,11 @@ def internet(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def host_listener(internet):
-    """A listener on every host address; returns the addresses the host itself reaches."""
-    with listener(PORT, "host"):
+def host_listener(internet, tmp_path_factory):
+    """A listener on every host address (those the host itself reaches it on)."""
+    udp_log = tmp_path_factory.mktemp("host") / "udp.log"
+    udp_log.touch()
+    with listener(PORT, "host", udp_log=str(udp_log)):
         addrs = host_addresses()
         for addr in addrs.values():
             assert_stays_here(addr)
@@ -186,7 +232,9 @@ def host_listener(internet):
         # The ones that must be there (others may come and go with other daemons' sandboxes).
         for must in ("127.0.0.1", INET_HOST_END):
             assert must in reached.values(), got
-        yield reached
+        listening = Listening(reached, udp_log)
+        _prove_udp(listening)
+        yield listening
 
 
 @pytest.fixture(scope="module")
@@ -221,14 +269,18 @@ def egress_api(egress_daemon):
 
 
 def _pair(api):
-    """Two sandboxes: A (the attacker) and B with a listener in its guest."""
+    """Two sandboxes: A (the attacker) and B with a listener in its guest, which the host
+    reaches (TCP, and UDP that lands in B's log)."""
     a, b = create(api), create(api)
     try:
         start_guest_listener(api, b, "guest-b")
         b_addr, b_if = slot_of(b)
-        assert route_of(b_addr).get("dev") == b_if  # B's own veth, inside its namespace
+        assert route_of(b_addr).get("dev") == b_if  # B's own veth, into its namespace
         got = wait_reached([("b", b_addr, PORT, None)], "guest-b")
-        assert got["b"] == "reached:guest-b", got  # the host reaches B's listener
+        assert got["b"] == "reached:guest-b", got
+        nonce = os.urandom(6).hex()
+        probe([("b", b_addr, PORT, None)], udp_nonce=nonce)
+        assert udp_seen(guest_udp_log(api, b), nonce) == {"b None"}
         yield a, b
     finally:
         for sid in (a, b):
@@ -246,6 +298,10 @@ def egress_pair(egress_api):
     yield from _pair(egress_api)
 
 
+def _blocked(got: dict[str, str]) -> None:
+    assert all(v.startswith("blocked:") for v in got.values()), got
+
+
 # --- egress denied (the default config) ---------------------------------------------------
 
 def test_guest_cannot_reach_any_host_address(api, pair, host_listener):
@@ -253,8 +309,9 @@ def test_guest_cannot_reach_any_host_address(api, pair, host_listener):
     _, host_if = slot_of(a)
     targets = _host_targets(a, host_listener)
     with host_forwarding(host_if):
-        got = guest_probe(api, a, targets, setup=_V6_ROUTE)
-    assert all(v.startswith("blocked:") for v in got.values()), got
+        got, nonce = guest_probe(api, a, targets, setup=_V6_ROUTE)
+    _blocked(got)
+    assert host_listener.udp(nonce) == set()
 
 
 def test_guest_cannot_reach_another_guest(api, pair):
@@ -262,9 +319,10 @@ def test_guest_cannot_reach_another_guest(api, pair):
     b_addr, _ = slot_of(b)
     _, host_if = slot_of(a)
     with host_forwarding(host_if):
-        got = guest_probe(api, a, [("guest-b", b_addr, PORT, None)])
-    assert got["guest-b"].startswith("blocked:"), got
-    # ... and the host still reaches B's listener (the listener is alive).
+        got, nonce = guest_probe(api, a, [("guest-b", b_addr, PORT, None)])
+    _blocked(got)
+    assert udp_seen(guest_udp_log(api, b), nonce) == set()
+    # ... and the host still reaches B's listener (it is alive).
     assert probe([("b", b_addr, PORT, None)])["b"] == "reached:guest-b"
 
 
@@ -275,28 +333,33 @@ def test_guest_cannot_reach_the_internet_when_egress_is_denied(api, pair, intern
     for _label, addr, _port, _src in targets:
         assert_stays_here(addr)
     with host_forwarding(host_if):
-        got = guest_probe(api, a, targets)
-    assert all(v.startswith("blocked:") for v in got.values()), got
+        got, nonce = guest_probe(api, a, targets)
+    _blocked(got)
+    assert internet.udp(nonce) == set()
 
 
-def test_guest_cannot_reach_its_own_namespace_over_ipv4_or_ipv6(api, pair):
+def test_guest_cannot_reach_its_own_namespace_over_ipv4_or_ipv6(api, pair, tmp_path):
     a, _ = pair
     ns = f"agentbox-{a}"
-    with listener(PORT, "sandbox-ns", netns=ns):
+    log = tmp_path / "udp.log"
+    log.touch()
+    with listener(PORT, "sandbox-ns", netns=ns, udp_log=str(log)):
         ll = _link_local(ns, "tap0")
         guest_addr, _ = slot_of(a)
-        inside = [("tap-v4", "169.254.0.22", PORT, None), ("veth-v4", guest_addr, PORT, None),
-                  ("tap-v6-link-local", f"{ll}%tap0", PORT, None)]
-        got = wait_reached(inside, "sandbox-ns", netns=ns)  # the namespace reaches itself
+        inside = {"tap-v4": "169.254.0.22", "veth-v4": guest_addr, "tap-v6-ll": f"{ll}%tap0"}
+        got = wait_reached([(k, v, PORT, None) for k, v in inside.items()], "sandbox-ns",
+                           netns=ns)  # the namespace reaches itself
         assert all(v == "reached:sandbox-ns" for v in got.values()), got
+        _prove_udp(Listening(inside, log), netns=ns)
         eth = _guest_ifname(api, a)
         # The guest has IPv6 (else this part would pass without any firewall).
         v6 = run(api, a, command="cat /proc/sys/net/ipv6/conf/all/disable_ipv6")["stdout"]
         assert v6.strip() == "0", v6
         from_guest = [("tap-v4", "169.254.0.22", PORT, None),
-                      ("tap-v6-link-local", f"{ll}%{eth}", PORT, None)]
-        got = guest_probe(api, a, from_guest)
-    assert all(v.startswith("blocked:") for v in got.values()), got
+                      ("tap-v6-ll", f"{ll}%{eth}", PORT, None)]
+        got, nonce = guest_probe(api, a, from_guest)
+    _blocked(got)
+    assert udp_seen(log.read_text(), nonce) == set()
 
 
 # --- egress allowed (a second daemon) -----------------------------------------------------
@@ -306,10 +369,12 @@ def test_allowed_egress_reaches_only_the_allowed_internet(egress_api, egress_pai
     targets = [(k, addr, PORT, None) for k, addr in INTERNET.items()]
     for _label, addr, _port, _src in targets:
         assert_stays_here(addr)
-    got = guest_probe(egress_api, a, targets)
+    got, nonce = guest_probe(egress_api, a, targets)
     assert got.pop("allowed-public") == "reached:internet", got
     assert got.pop("allowed-private") == "reached:internet", got
-    assert all(v.startswith("blocked:") for v in got.values()), got
+    _blocked(got)
+    # Only the guest's own datagrams to the allowed addresses arrive; no spoofed ones.
+    assert internet.udp(nonce) == {"allowed-public None", "allowed-private None"}
 
 
 def test_allowed_egress_still_denies_host_addresses_and_other_guests(
@@ -317,46 +382,38 @@ def test_allowed_egress_still_denies_host_addresses_and_other_guests(
     a, b = egress_pair
     b_addr, _ = slot_of(b)
     targets = _host_targets(a, host_listener) + [("guest-b", b_addr, PORT, None)]
-    got = guest_probe(egress_api, a, targets, setup=_V6_ROUTE)
-    assert all(v.startswith("blocked:") for v in got.values()), got
+    got, nonce = guest_probe(egress_api, a, targets, setup=_V6_ROUTE)
+    _blocked(got)
+    assert host_listener.udp(nonce) == set()
+    assert udp_seen(guest_udp_log(egress_api, b), nonce) == set()
     assert probe([("b", b_addr, PORT, None)])["b"] == "reached:guest-b"
 
 
-def test_allowed_egress_drops_spoofed_sources(egress_api, egress_pair, internet: Path):
-    a, _ = egress_pair
+def test_allowed_egress_drops_spoofed_sources(egress_api, egress_pair, internet):
+    """Other sources than the guest's: made up, in the allow-list, another guest's slot."""
+    a, b = egress_pair
     allowed = INTERNET["allowed-public"]
     assert_stays_here(allowed)
-    nonce = os.urandom(4).hex()
-    # The guest (root) gives itself other addresses and sends one datagram from each.
-    spoofed = ["10.99.1.77", "198.51.100.77", slot_of(egress_pair[1])[0]]
-    setup = "; ".join(f"ip addr add {s}/32 dev {_guest_ifname(egress_api, a)}" for s in spoofed)
-    code = (
-        "import socket\n"
-        f"for src in {[None, *spoofed]!r}:\n"
-        "    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
-        "    if src: s.bind((src, 0))\n"
-        f"    s.sendto(('{nonce}-' + str(src)).encode(), ({allowed!r}, {PORT}))\n"
-        "    s.close()\n")
-    res = run(egress_api, a, command=setup + " || true", timeout=30)
-    assert res["exit_code"] == 0, res
-    res = run(egress_api, a, code=code, timeout=30)
-    assert res["exit_code"] == 0, res
-    deadline = time.monotonic() + 10
-    while f"{nonce}-None" not in internet.read_text() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    lines = [ln for ln in internet.read_text().splitlines() if nonce in ln]
-    assert any(ln.endswith(f"{nonce}-None") for ln in lines), lines  # the honest one arrived
-    assert lines == [ln for ln in lines if ln.endswith("-None")], lines  # no spoofed one did
+    spoofed = ["10.99.1.77", "198.51.100.77", slot_of(b)[0]]
+    eth = _guest_ifname(egress_api, a)
+    setup = "; ".join(f"ip addr add {s}/32 dev {eth} 2>/dev/null" for s in spoofed)
+    assert run(egress_api, a, command=setup + "; true")["exit_code"] == 0
+    nonce = os.urandom(6).hex()
+    code = probe_code([("allowed", allowed, PORT, None)], udp_nonce=nonce,
+                      udp_sources=(None, *spoofed))
+    assert run(egress_api, a, code=code, timeout=60)["exit_code"] == 0
+    time.sleep(0.5)
+    assert internet.udp(nonce) == {"allowed None"}
 
 
-def _host_targets(sid: str, reached: dict[str, str]) -> list:
+def _host_targets(sid: str, host: Listening) -> list:
     """Every host address the host reached its listener on, plus this guest's own veth host
     end (the one address a guest is most likely to find), checked to reach the host now."""
     guest_addr, _ = slot_of(sid)
     own = str(ipaddress.IPv4Address(guest_addr) - 1)
     assert_stays_here(own)
     assert probe([("own", own, PORT, None)])["own"] == "reached:host"
-    return [(k, addr, PORT, None) for k, addr in reached.items()] + [
+    return [(k, addr, PORT, None) for k, addr in host.addrs.items()] + [
         ("own-veth-host-end", own, PORT, None)]
 
 
@@ -364,7 +421,7 @@ def _host_targets(sid: str, reached: dict[str, str]) -> list:
 
 # The guest's "any trick" for IPv6: a global address and a default route out of its interface,
 # so that IPv6 targets are tried for real instead of failing with "no route".
-_V6_ROUTE = ("dev=$(ls /sys/class/net | grep -v lo | head -1); "
+_V6_ROUTE = ("dev=$(ls /sys/class/net | grep -v '^lo$' | head -1); "
              "ip -6 addr add fd99::21/64 dev $dev nodad 2>/dev/null; "
              "ip -6 route add default dev $dev 2>/dev/null; true")
 
