@@ -147,9 +147,12 @@ def ruleset(guest_addr: str, policy: EgressPolicy, facts: HostFacts) -> str:
     """The namespace's whole ruleset. ``guest_addr``: the slot address the host connects to
     (DNAT'ed to the guest). Loaded with ``nft -f``; it replaces our table atomically."""
     sets, forward, masq = _egress_rules(policy, facts)
-    # "add table" + "delete table" makes a reload idempotent (the table may or may not exist).
+    # "add table" + "delete table" makes a reload idempotent (the table may or may not exist);
+    # the same for the ip-only table namespaces made before this module had.
     return f"""add table inet {TABLE}
 delete table inet {TABLE}
+add table ip {TABLE}
+delete table ip {TABLE}
 table inet {TABLE} {{
 {sets}  chain guard {{
     type filter hook prerouting priority raw; policy accept;

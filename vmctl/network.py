@@ -171,6 +171,11 @@ def _setup(slot: NetSlot, pool: str, policy: EgressPolicy) -> None:
         host.addr("add", index=idx, address=slot.host_addr, prefixlen=30)
         host.link("set", index=idx, state="up")
     _in_netns(slot.netns, lambda ns: _configure_inside(ns, slot))
+    _load_policy(slot, pool, policy)
+
+
+def _load_policy(slot: NetSlot, pool: str, policy: EgressPolicy) -> None:
+    """(Re)load the namespace's ruleset, with the host's addresses as they are now."""
     script = "echo 1 > /proc/sys/net/ipv4/ip_forward && nft -f -"
     _run(["ip", "netns", "exec", slot.netns, "sh", "-c", script],
          nft_ruleset(slot, policy, host_facts(slot, pool)).encode())
@@ -211,6 +216,17 @@ async def create(slot: NetSlot, config: NetworkConfig,
         if isinstance(exc, (NetlinkError, OSError, subprocess.SubprocessError)):
             raise NetworkError(f"setting up {slot.netns}: {exc}") from exc
         raise
+
+
+async def reload(slot: NetSlot, config: NetworkConfig,
+                 policy: EgressPolicy | None = None) -> None:
+    """Replace the ruleset of ``slot``'s existing namespace (atomically: one nft transaction).
+    Connections the guest already has open stay open (conntrack keeps them)."""
+    try:
+        await asyncio.to_thread(_load_policy, slot, config.pool,
+                                policy or config.egress_policy())
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NetworkError(f"reloading the firewall of {slot.netns}: {exc}") from exc
 
 
 async def destroy(slot: NetSlot) -> None:

@@ -223,3 +223,28 @@ def test_host_facts_include_this_hosts_addresses():
     facts = network.host_facts(slot, POOL)
     assert ipaddress.IPv4Address("127.0.0.1") in facts.addresses
     assert ipaddress.IPv4Address(slot.host_addr) in facts.addresses
+
+
+@needs_root
+def test_reload_replaces_an_old_ip_table_and_switches_policy():
+    denied, allowed = NetworkConfig(pool=POOL), NetworkConfig(pool=POOL, allow_egress=True)
+    tag = f"{os.getpid() & 0xffff:04x}r"
+    slot = NetSlot(index=10, netns=f"abtest-{tag}", host_if=f"abt{tag}", host_addr="169.254.48.41",
+                   guest_addr="169.254.48.42")
+    try:
+        asyncio.run(network.create(slot, denied))
+        # What a namespace made by an older daemon holds: an ip-family table of that name.
+        sh("ip", "netns", "exec", slot.netns, "nft", "add", "table", "ip", "agentbox")
+        sh("ip", "netns", "exec", slot.netns, "nft", "add chain ip agentbox forward "
+           "{ type filter hook forward priority 0; policy accept; }")
+        asyncio.run(network.reload(slot, allowed))
+        tables = sh("ip", "netns", "exec", slot.netns, "nft", "list", "tables")
+        assert tables.split("\n").count("table inet agentbox") == 1, tables
+        assert "table ip agentbox" not in tables
+        rules = sh("ip", "netns", "exec", slot.netns, "nft", "list", "table", "inet", "agentbox")
+        assert "masquerade" in rules
+        forwarding = Path(f"/proc/sys/net/ipv4/conf/{slot.host_if}/forwarding").read_text()
+        assert forwarding.strip() == "1"
+    finally:
+        asyncio.run(network.destroy(slot))
+    assert slot.netns not in os.listdir(network.NETNS_DIR)
