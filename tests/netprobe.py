@@ -133,3 +133,32 @@ def sh(*argv: str) -> str:
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)}: {proc.stderr.strip()}")
     return proc.stdout
+
+
+_RAW_UDP = r"""
+import socket, struct
+def csum(b):
+    b += b"\0" * (len(b) % 2)
+    s = sum(struct.unpack(f"!{len(b) // 2}H", b))
+    s = (s >> 16) + (s & 0xffff)
+    return ~(s + (s >> 16)) & 0xffff
+ifname = next(n for _, n in socket.if_nameindex() if n != "lo")
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+s.bind((ifname, 0))
+src_mac = s.getsockname()[4]
+for label, src, dst, port in FRAMES:
+    payload = f"{NONCE} {label} {src}".encode()
+    udp = struct.pack("!HHHH", 40000, port, 8 + len(payload), 0) + payload  # no UDP checksum
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 0, 0x4000, 64, 17, 0,
+                     socket.inet_aton(src), socket.inet_aton(dst))
+    ip = ip[:10] + struct.pack("!H", csum(ip)) + ip[12:]
+    s.send(bytes.fromhex(DST_MAC.replace(":", "")) + src_mac + b"\x08\x00" + ip + udp)
+print("sent", len(FRAMES))
+"""
+
+
+def raw_udp_code(frames: list[tuple[str, str, str, int]], dst_mac: str, nonce: str) -> str:
+    """Guest code that hand-builds Ethernet frames (label, source, destination, port) carrying
+    UDP datagrams and sends them to ``dst_mac``: what the guest's kernel would never send
+    (a destination of 127.0.0.1, any source) goes out anyway."""
+    return f"FRAMES = {frames!r}\nDST_MAC = {dst_mac!r}\nNONCE = {nonce!r}\n" + _RAW_UDP

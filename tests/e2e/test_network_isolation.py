@@ -2,7 +2,11 @@
 
 Every "cannot reach" below aims at a listener this test opened, and the same listener is first
 reached from a place that should reach it (the host, the sandbox's namespace itself), so the
-test fails if the firewall is missing rather than passing on "nothing listens there".
+test fails if the firewall is missing rather than passing on "nothing listens there". Each
+probe also sends one-way UDP datagrams (from the guest's address and from a spoofed one) that
+the listeners log: a packet that gets through is seen even when no reply could come back.
+Checked by hand: with the namespace firewall replaced by "accept everything" every test here
+fails, and main's previous ruleset fails the IPv6, egress and spoofing tests.
 
 Network rule: traffic goes only to the host's own addresses (local delivery) or to addresses
 inside namespaces this test created. The "internet" is a namespace joined to the host by a
@@ -30,8 +34,9 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import start_daemon, stop_daemon, vmm_pids_for
-from tests.netprobe import (LISTENER, listener, parse_probe, probe, probe_code, sh,
-                            udp_seen)
+from guest.protocol import GUEST_ADDR, TAP_MAC
+from tests.netprobe import (LISTENER, listener, parse_probe, probe, probe_code, raw_udp_code,
+                            sh, udp_seen)
 
 pytestmark = pytest.mark.e2e
 
@@ -362,6 +367,31 @@ def test_guest_cannot_reach_its_own_namespace_over_ipv4_or_ipv6(api, pair, tmp_p
     assert udp_seen(log.read_text(), nonce) == set()
 
 
+def _handmade_frames_to_host_loopback(api, sid: str, host: Listening,
+                                      control: Listening | None = None) -> None:
+    """The guest's kernel never sends to 127.0.0.1; a raw socket does, straight at the TAP.
+    ``control``: where a frame to an allowed address must arrive (the frames are good)."""
+    _, host_if = slot_of(sid)
+    nonce = os.urandom(6).hex()
+    frames = [("loopback", GUEST_ADDR, "127.0.0.1", PORT), ("loopback-2", GUEST_ADDR,
+              "127.0.0.2", PORT), ("loopback-spoofed", "127.0.0.1", "127.0.0.1", PORT)]
+    frames += [(k, GUEST_ADDR, a, PORT) for k, a in host.addrs.items() if "." in a]
+    if control:
+        assert_stays_here(INTERNET["allowed-public"])
+        frames.append(("control", GUEST_ADDR, INTERNET["allowed-public"], PORT))
+    with host_forwarding(host_if):
+        res = run(api, sid, code=raw_udp_code(frames, TAP_MAC, nonce), timeout=60)
+        assert res["exit_code"] == 0 and res["stdout"].startswith("sent"), res
+        time.sleep(1)
+    assert host.udp(nonce) == set()
+    if control:
+        assert control.udp(nonce) == {f"control {GUEST_ADDR}"}
+
+
+def test_guest_cannot_reach_host_loopback_with_handmade_frames(api, pair, host_listener):
+    _handmade_frames_to_host_loopback(api, pair[0], host_listener)
+
+
 # --- egress allowed (a second daemon) -----------------------------------------------------
 
 def test_allowed_egress_reaches_only_the_allowed_internet(egress_api, egress_pair, internet):
@@ -387,6 +417,11 @@ def test_allowed_egress_still_denies_host_addresses_and_other_guests(
     assert host_listener.udp(nonce) == set()
     assert udp_seen(guest_udp_log(egress_api, b), nonce) == set()
     assert probe([("b", b_addr, PORT, None)])["b"] == "reached:guest-b"
+
+
+def test_allowed_egress_cannot_reach_host_loopback_with_handmade_frames(
+        egress_api, egress_pair, host_listener, internet):
+    _handmade_frames_to_host_loopback(egress_api, egress_pair[0], host_listener, internet)
 
 
 def test_allowed_egress_drops_spoofed_sources(egress_api, egress_pair, internet):
