@@ -26,6 +26,7 @@ from gateway.registry import SandboxRecord
 from gateway.sandboxes import SandboxService
 from vmctl import network, store
 from vmctl.driver import kill_pid, pid_alive
+from vmctl.errors import NetworkError
 from vmctl.spec import VMMRecord
 
 log = logging.getLogger(__name__)
@@ -130,10 +131,16 @@ def _leftovers(rec: SandboxRecord) -> bool:
 
 
 async def network_ready(service: SandboxService, rec: SandboxRecord) -> None:
-    """Recreate a sandbox's namespace if it is gone (e.g. after a host reboot)."""
+    """Recreate a sandbox's namespace if it is gone (e.g. after a host reboot); else reload
+    its firewall, so an upgrade or a config change never leaves a guest under an old one."""
     slot = service.plan(rec).slot
     if slot.netns not in network.list_namespaces():
         await network.create(slot, service.backend.config.network)
+        return
+    try:
+        await network.reload(slot, service.backend.config.network)
+    except NetworkError:  # the old ruleset stays; recovering the sandbox matters more
+        log.exception("sandbox %s: reloading its firewall failed", rec.id)
 
 
 def _last_transition_at(service: SandboxService, rec: SandboxRecord) -> float:

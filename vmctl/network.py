@@ -7,7 +7,9 @@ sandbox reachable is its *slot*: a /30 out of a configurable link-local pool.
 The host end of the veth holds ``.1``, the namespace end ``.2``; traffic from
 the host to ``.2`` is DNAT'ed to the guest. Egress is denied by default: the
 namespace forwards only host->guest connections (and their replies), and the
-guest cannot open connections to the namespace, the host or other guests.
+guest cannot open connections to the namespace, the host or other guests. What
+the ruleset says (also with egress allowed) is ``vmctl.egress``; this module
+discovers the host's addresses for it and loads it.
 
 All netlink work goes through pyroute2 in worker threads (it is blocking). Inside
 a namespace we use a short-lived thread that ``setns()``es itself into it rather
@@ -23,6 +25,7 @@ import ctypes
 import ipaddress
 import logging
 import os
+import socket
 import subprocess
 import threading
 from collections.abc import Callable
@@ -32,13 +35,14 @@ from typing import Any
 from pyroute2 import IPRoute, netns
 from pyroute2.netlink.exceptions import NetlinkError
 
-from guest.protocol import GUEST_ADDR, PREFIX_LEN, TAP_ADDR, TAP_MAC, TAP_NAME
+from guest.protocol import PREFIX_LEN, TAP_ADDR, TAP_MAC, TAP_NAME
+from vmctl import egress
+from vmctl.egress import NS_IF, EgressPolicy, HostFacts
 from vmctl.errors import NetworkError
 
 log = logging.getLogger(__name__)
 
 NETNS_PREFIX = "agentbox-"
-NS_IF = "veth0"
 NETNS_DIR = "/var/run/netns"
 _CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -57,14 +61,28 @@ class NetSlot:
 class NetworkConfig:
     pool: str = "169.254.128.0/17"
     allow_egress: bool = False
+    # CIDRs opened in the ranges denied by default (private, CGNAT, ...) when egress is
+    # allowed; never the host's own addresses, the pool, loopback or metadata addresses.
+    egress_allow: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.egress_allow, (str, bytes)):
+            raise ValueError("network.egress_allow must be a list of CIDRs")
+        object.__setattr__(self, "egress_allow", tuple(self.egress_allow))
+        try:
+            self.egress_policy()
+        except ValueError as exc:
+            raise ValueError(f"network.egress_allow: {exc}") from exc
         net = ipaddress.ip_network(self.pool)
         if net.version != 4 or net.prefixlen > 30:
             raise ValueError(f"network.pool must be an IPv4 network of /30 or larger: {self.pool}")
         fixed = ipaddress.ip_network(f"{TAP_ADDR}/{PREFIX_LEN}", strict=False)
         if net.overlaps(fixed):
             raise ValueError(f"network.pool {self.pool} overlaps the guest's fixed {fixed}")
+
+    def egress_policy(self) -> EgressPolicy:
+        """The policy every sandbox gets today (per-sandbox policies: issue 13)."""
+        return EgressPolicy.from_config(self.allow_egress, self.egress_allow)
 
     @property
     def capacity(self) -> int:
@@ -81,32 +99,21 @@ def slot_for(index: int, vm_id: str, config: NetworkConfig) -> NetSlot:
                    host_addr=str(base + 1), guest_addr=str(base + 2))
 
 
-def nft_ruleset(slot: NetSlot, allow_egress: bool) -> str:
-    egress = (f'iifname "{TAP_NAME}" oifname "{NS_IF}" ip daddr != 169.254.0.0/16 accept'
-              if allow_egress else "")
-    masq = f'oifname "{NS_IF}" ip saddr {GUEST_ADDR} masquerade' if allow_egress else ""
-    return f"""
-table ip agentbox {{
-  chain prerouting {{
-    type nat hook prerouting priority dstnat; policy accept;
-    iifname "{NS_IF}" ip daddr {slot.guest_addr} dnat to {GUEST_ADDR}
-  }}
-  chain postrouting {{
-    type nat hook postrouting priority srcnat; policy accept;
-    {masq}
-  }}
-  chain forward {{
-    type filter hook forward priority filter; policy drop;
-    ct state established,related accept
-    iifname "{NS_IF}" oifname "{TAP_NAME}" ip daddr {GUEST_ADDR} accept
-    {egress}
-  }}
-  chain input {{
-    type filter hook input priority filter; policy accept;
-    iifname "{TAP_NAME}" ct state new drop
-  }}
-}}
-"""
+def nft_ruleset(slot: NetSlot, policy: EgressPolicy, facts: HostFacts) -> str:
+    return egress.ruleset(slot.guest_addr, policy, facts)
+
+
+def host_facts(slot: NetSlot, pool: str) -> HostFacts:
+    """Every IPv4 address the host holds now (local and broadcast, on every interface),
+    plus the slot's own host end: a guest must reach none of them."""
+    found = {ipaddress.IPv4Address(slot.host_addr)}
+    with IPRoute() as ipr:
+        for msg in ipr.get_addr(family=socket.AF_INET):
+            for attr in ("IFA_LOCAL", "IFA_ADDRESS", "IFA_BROADCAST"):
+                value = msg.get_attr(attr)
+                if value:
+                    found.add(ipaddress.IPv4Address(value))
+    return HostFacts(addresses=tuple(sorted(found)), pool=ipaddress.IPv4Network(pool))
 
 
 def _in_netns(name: str, fn: Callable[[IPRoute], Any]) -> Any:
@@ -155,7 +162,7 @@ def _run(argv: list[str], stdin: bytes = b"") -> None:
         raise NetworkError(f"{' '.join(argv[:5])}: {proc.stderr.decode().strip()}")
 
 
-def _setup(slot: NetSlot, allow_egress: bool) -> None:
+def _setup(slot: NetSlot, pool: str, policy: EgressPolicy) -> None:
     _run(["ip", "netns", "add", slot.netns])
     with IPRoute() as host:
         host.link("add", ifname=slot.host_if, kind="veth",
@@ -164,9 +171,24 @@ def _setup(slot: NetSlot, allow_egress: bool) -> None:
         host.addr("add", index=idx, address=slot.host_addr, prefixlen=30)
         host.link("set", index=idx, state="up")
     _in_netns(slot.netns, lambda ns: _configure_inside(ns, slot))
+    _load_policy(slot, pool, policy)
+
+
+def _load_policy(slot: NetSlot, pool: str, policy: EgressPolicy) -> None:
+    """(Re)load the namespace's ruleset, with the host's addresses as they are now."""
     script = "echo 1 > /proc/sys/net/ipv4/ip_forward && nft -f -"
     _run(["ip", "netns", "exec", slot.netns, "sh", "-c", script],
-         nft_ruleset(slot, allow_egress).encode())
+         nft_ruleset(slot, policy, host_facts(slot, pool)).encode())
+    # IPv4 forwards what arrives on an interface whose own `forwarding` is on. Only an
+    # egress-allowed sandbox's host end gets it; the rest of the path (uplink forwarding,
+    # NAT of the pool) is the operator's (docs/operations.md).
+    _write_sysctl(f"/proc/sys/net/ipv4/conf/{slot.host_if}/forwarding",
+                  "1" if policy.allow_egress else "0")
+
+
+def _write_sysctl(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
 
 
 def _teardown(slot: NetSlot) -> None:
@@ -182,15 +204,29 @@ def _teardown(slot: NetSlot) -> None:
                     raise
 
 
-async def create(slot: NetSlot, config: NetworkConfig) -> None:
-    """Create the namespace, veth pair, TAP and firewall for ``slot`` (rolled back on failure)."""
+async def create(slot: NetSlot, config: NetworkConfig,
+                 policy: EgressPolicy | None = None) -> None:
+    """Create the namespace, veth pair, TAP and firewall for ``slot`` (rolled back on failure).
+    ``policy``: this sandbox's egress policy (default: the one ``config`` gives everyone)."""
+    policy = policy or config.egress_policy()
     try:
-        await asyncio.to_thread(_setup, slot, config.allow_egress)
+        await asyncio.to_thread(_setup, slot, config.pool, policy)
     except BaseException as exc:
         await asyncio.shield(asyncio.to_thread(_teardown_quiet, slot))
         if isinstance(exc, (NetlinkError, OSError, subprocess.SubprocessError)):
             raise NetworkError(f"setting up {slot.netns}: {exc}") from exc
         raise
+
+
+async def reload(slot: NetSlot, config: NetworkConfig,
+                 policy: EgressPolicy | None = None) -> None:
+    """Replace the ruleset of ``slot``'s existing namespace (atomically: one nft transaction).
+    Connections the guest already has open stay open (conntrack keeps them)."""
+    try:
+        await asyncio.to_thread(_load_policy, slot, config.pool,
+                                policy or config.egress_policy())
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NetworkError(f"reloading the firewall of {slot.netns}: {exc}") from exc
 
 
 async def destroy(slot: NetSlot) -> None:

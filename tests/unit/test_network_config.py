@@ -1,5 +1,8 @@
+from ipaddress import ip_network
+
 import pytest
 
+from vmctl.egress import EgressPolicy, HostFacts
 from vmctl.network import NetworkConfig, nft_ruleset, slot_for
 
 
@@ -19,6 +22,7 @@ def test_pool_validation():
 
 
 def test_deny_egress_ruleset_has_no_outbound_accept():
-    rules = nft_ruleset(slot_for(0, "a", NetworkConfig()), allow_egress=False)
+    slot = slot_for(0, "a", NetworkConfig())
+    rules = nft_ruleset(slot, EgressPolicy(), HostFacts((), ip_network("169.254.128.0/17")))
     assert "policy drop" in rules and "masquerade" not in rules
-    assert 'iifname "tap0" ct state new drop' in rules
+    assert 'iifname "tap0" drop' in rules
