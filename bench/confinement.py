@@ -65,7 +65,7 @@ def main() -> None:
                 cfg.write_text(CONFIG.format(pool=pool, enabled=enabled))
                 daemons[mode] = start_daemon(Path(tmp) / mode, config=cfg)
             clients = {m: d.client() for m, d in daemons.items()}
-            for mode, client in clients.items():  # warm-up, not counted
+            for client in clients.values():  # warm-up, not counted
                 one_round(client)
             for _ in range(args.n):
                 for mode, client in clients.items():

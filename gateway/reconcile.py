@@ -26,6 +26,7 @@ from gateway.registry import SandboxRecord
 from gateway.sandboxes import SandboxService
 from vmctl import network, store
 from vmctl.driver import kill_pid, pid_alive
+from vmctl.machine import Machine
 from vmctl.errors import NetworkError
 from vmctl.spec import VMMRecord
 
@@ -135,7 +136,8 @@ async def network_ready(service: SandboxService, rec: SandboxRecord) -> None:
     its firewall, so an upgrade or a config change never leaves a guest under an old one."""
     slot = service.plan(rec).slot
     if slot.netns not in network.list_namespaces():
-        await network.create(slot, service.backend.config.network)
+        tap_owner = Machine(service.plan(rec), service.backend).tap_owner
+        await network.create(slot, service.backend.config.network, tap_owner=tap_owner)
         return
     try:
         await network.reload(slot, service.backend.config.network)

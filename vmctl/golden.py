@@ -132,12 +132,13 @@ async def _build(image, backend: Backend, final: Path,  # type: ignore[no-untype
     started = time.monotonic()
     try:
         disk = await layout.golden_disk(image.rootfs, tmp)
-        await network.create(slot, cfg)
+        confinement = backend.confinement(slot.host_addr, vm_id, tmp / "vm", image.mem_mib)
+        await network.create(slot, cfg, tap_owner=(confinement.uid, confinement.gid)
+                             if confinement else None)
         spec = VMSpec(vm_id=vm_id, workdir=tmp / "vm", kernel=boot.kernel, initrd=boot.initrd,
                       cmdline=boot.cmdline, disk=disk, mem_file=layout.memory(tmp),
                       mem_mib=image.mem_mib, vcpus=backend.config.vcpus, netns=slot.netns,
-                      accel=backend.accel, confinement=backend.confinement(
-                          slot.host_addr, vm_id, tmp / "vm", image.mem_mib))
+                      accel=backend.accel, confinement=confinement)
         progress(f"golden[{image.name}]: booting ({backend.key})")
         await driver.boot(spec)
         agent = AgentClient(slot.guest_addr)

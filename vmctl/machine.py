@@ -94,6 +94,11 @@ class Machine:
                           p.slot.host_addr, p.vm_id, workdir, g.mem_mib))
 
     @property
+    def tap_owner(self) -> tuple[int, int] | None:
+        c = self.spec.confinement
+        return (c.uid, c.gid) if c is not None else None
+
+    @property
     def snapshot_dir(self) -> Path:
         return self.plan.root / "snapshot"
 
@@ -106,7 +111,8 @@ class Machine:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         first, _ = await asyncio.gather(
             self.backend.layout.materialise(golden.snapshot, root),
-            network.create(self.plan.slot, self.backend.config.network))
+            network.create(self.plan.slot, self.backend.config.network,
+                           tap_owner=self.tap_owner))
         await self._start_from(first)
 
     async def suspend(self) -> None:

@@ -143,12 +143,15 @@ def _in_netns(name: str, fn: Callable[[IPRoute], Any]) -> Any:
     return outcome.get("value")
 
 
-def _configure_inside(ns: IPRoute, slot: NetSlot) -> None:
+def _configure_inside(ns: IPRoute, slot: NetSlot, tap_owner: tuple[int, int] | None) -> None:
     ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
     veth = ns.link_lookup(ifname=NS_IF)[0]
     ns.addr("add", index=veth, address=slot.guest_addr, prefixlen=30)
     ns.link("set", index=veth, state="up")
-    ns.link("add", ifname=TAP_NAME, kind="tuntap", mode="tap")
+    # Owned by the VMM's uid: only it (or root) may attach, so an unprivileged VMM (a jailed
+    # Firecracker) can, and another sandbox's cannot.
+    owner = {"uid": tap_owner[0], "gid": tap_owner[1]} if tap_owner else {}
+    ns.link("add", ifname=TAP_NAME, kind="tuntap", mode="tap", **owner)
     tap = ns.link_lookup(ifname=TAP_NAME)[0]
     ns.link("set", index=tap, address=TAP_MAC)
     ns.addr("add", index=tap, address=TAP_ADDR, prefixlen=PREFIX_LEN)
@@ -162,7 +165,8 @@ def _run(argv: list[str], stdin: bytes = b"") -> None:
         raise NetworkError(f"{' '.join(argv[:5])}: {proc.stderr.decode().strip()}")
 
 
-def _setup(slot: NetSlot, pool: str, policy: EgressPolicy) -> None:
+def _setup(slot: NetSlot, pool: str, policy: EgressPolicy,
+           tap_owner: tuple[int, int] | None) -> None:
     _run(["ip", "netns", "add", slot.netns])
     with IPRoute() as host:
         host.link("add", ifname=slot.host_if, kind="veth",
@@ -170,7 +174,7 @@ def _setup(slot: NetSlot, pool: str, policy: EgressPolicy) -> None:
         idx = host.link_lookup(ifname=slot.host_if)[0]
         host.addr("add", index=idx, address=slot.host_addr, prefixlen=30)
         host.link("set", index=idx, state="up")
-    _in_netns(slot.netns, lambda ns: _configure_inside(ns, slot))
+    _in_netns(slot.netns, lambda ns: _configure_inside(ns, slot, tap_owner))
     _load_policy(slot, pool, policy)
 
 
@@ -205,12 +209,14 @@ def _teardown(slot: NetSlot) -> None:
 
 
 async def create(slot: NetSlot, config: NetworkConfig,
-                 policy: EgressPolicy | None = None) -> None:
+                 policy: EgressPolicy | None = None, *,
+                 tap_owner: tuple[int, int] | None = None) -> None:
     """Create the namespace, veth pair, TAP and firewall for ``slot`` (rolled back on failure).
-    ``policy``: this sandbox's egress policy (default: the one ``config`` gives everyone)."""
+    ``policy``: this sandbox's egress policy (default: the one ``config`` gives everyone).
+    ``tap_owner``: uid/gid of the VMM that will attach to the TAP."""
     policy = policy or config.egress_policy()
     try:
-        await asyncio.to_thread(_setup, slot, config.pool, policy)
+        await asyncio.to_thread(_setup, slot, config.pool, policy, tap_owner)
     except BaseException as exc:
         await asyncio.shield(asyncio.to_thread(_teardown_quiet, slot))
         if isinstance(exc, (NetlinkError, OSError, subprocess.SubprocessError)):

@@ -67,6 +67,9 @@ def test_each_vmm_is_unprivileged_seccomped_chrooted_and_in_its_own_cgroup(daemo
         assert int(st["CapEff"], 16) == 0 and int(st["CapPrm"], 16) == 0
         root = os.readlink(f"/proc/{pid}/root")
         assert root == str(daemon.data_dir / "sandboxes" / sid / "vm")
+        owner = subprocess.run(["ip", "netns", "exec", f"agentbox-{sid}", "cat",
+                                "/sys/class/net/tap0/owner"], capture_output=True, text=True)
+        assert owner.stdout.strip() == str(uid), owner  # only its VMM may attach to the TAP
         uids.add(uid)
         groups = dict(line.split(":", 2)[1:] for line in
                       Path(f"/proc/{pid}/cgroup").read_text().splitlines())
