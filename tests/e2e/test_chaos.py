@@ -339,6 +339,7 @@ class Chaos:
         self.errors.append(f"{op}: {r.status_code} {r.text[:300]}")
 
 
+@pytest.mark.timeout(CHAOS_SECONDS + 900)  # the run itself, then restarts and checks
 def test_random_chaos_loses_nothing(tmp_path, images_built):
     data, port = tmp_path / "chaos", _free_port()
     d = start_daemon(data, port=port)
