@@ -117,7 +117,7 @@ class SandboxService:
         (another daemon on this host may be using the same pool)."""
         cfg = self.backend.config.network
         for index in range(cfg.capacity - BUILD_SLOTS):
-            if index in used:
+            if index in used or network.slot_reserved(index, cfg):
                 continue
             if not os.path.exists(f"/sys/class/net/{network.slot_for(index, '', cfg).host_if}"):
                 return index

@@ -99,6 +99,15 @@ def slot_for(index: int, vm_id: str, config: NetworkConfig) -> NetSlot:
                    host_addr=str(base + 1), guest_addr=str(base + 2))
 
 
+def slot_reserved(index: int, config: NetworkConfig) -> bool:
+    """A slot whose /30 holds a cloud metadata address is never handed out: the host would
+    route its own metadata requests (169.254.169.254 lies inside the default pool) into
+    that sandbox, whose guest could then answer them."""
+    base = ipaddress.ip_network(config.pool).network_address + 4 * index
+    block = ipaddress.ip_network(f"{base}/30")
+    return any(block.overlaps(ipaddress.ip_network(m)) for m in egress.METADATA_V4)
+
+
 def nft_ruleset(slot: NetSlot, policy: EgressPolicy, facts: HostFacts) -> str:
     return egress.ruleset(slot.guest_addr, policy, facts)
 

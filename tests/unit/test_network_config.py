@@ -26,3 +26,12 @@ def test_deny_egress_ruleset_has_no_outbound_accept():
     rules = nft_ruleset(slot, EgressPolicy(), HostFacts((), ip_network("169.254.128.0/17")))
     assert "policy drop" in rules and "masquerade" not in rules
     assert 'iifname "tap0" drop' in rules
+
+
+def test_slots_holding_a_metadata_address_are_never_handed_out():
+    from vmctl.network import NetworkConfig, slot_for, slot_reserved
+    cfg = NetworkConfig()  # 169.254.128.0/17 holds 169.254.169.254
+    reserved = [i for i in range(cfg.capacity) if slot_reserved(i, cfg)]
+    assert [slot_for(i, "x", cfg).host_addr for i in reserved] == [
+        "169.254.169.121", "169.254.169.253", "169.254.170.1"]  # .123 NTP, .254 IMDS, .170.2 ECS
+    assert not any(slot_reserved(i, NetworkConfig(pool="169.254.64.0/18")) for i in range(4096))
