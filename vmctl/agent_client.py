@@ -203,12 +203,13 @@ def bounded(text: str, limit: int = MAX_ERROR_TEXT) -> str:
 
 
 async def read_body(resp: aiohttp.ClientResponse, limit: int,
-                    timeout: float = REPLY_BODY_TIMEOUT) -> bytes:
+                    timeout: float | None = None) -> bytes:
     """A reply's body, at most ``limit`` bytes, within ``timeout`` seconds: never more
     memory than the cap, never forever. ``GuestReplyTooLarge`` / ``GuestReplyTimeout``."""
     if resp.content_length is not None and resp.content_length > limit:
         raise GuestReplyTooLarge(f"guest agent reply of {resp.content_length} bytes is over "
                                  f"the limit of {limit}")
+    timeout = REPLY_BODY_TIMEOUT if timeout is None else timeout
     buf = bytearray()
     try:
         async with asyncio.timeout(timeout):
