@@ -100,27 +100,38 @@ async def relay(client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocket
     down = asyncio.create_task(_pump(upstream, client), name="terminal-down")
     up = asyncio.create_task(_pump(client, upstream), name="terminal-up")
     try:
-        done, _ = await asyncio.wait({down, up}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({down, up}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         # Stop both pumps before closing: a close() racing a receive() in another task
-        # would drop the connection without waiting for the peer's close frame.
+        # would drop the connection without waiting for the peer's close frame. This runs
+        # when cancelled too: aiohttp drops the socket of a peer that sent an oversize
+        # frame, which cancels this handler, and the other side must still hear 1009.
         for task in (down, up):
             task.cancel()
         await asyncio.gather(down, up, return_exceptions=True)
-    first = down if down in done else up
-    src, dst = (upstream, client) if first is down else (client, upstream)
-    code = src.close_code
-    if first.exception() is not None:
-        log.warning("terminal relay: %r", first.exception())
-    elif first.result() is _DST_FAILED:
-        src, dst = dst, src  # that pump could not send: its destination is the side that left
-        code = src.close_code
-    else:
-        result = first.result()
-        code = result if isinstance(result, int) else None
-    await dst.close(code=mirror_code(code))
-    if not src.closed:
-        await src.close(code=GOING_AWAY)
+        await asyncio.shield(_close_after(client, upstream, down, up))
+
+
+async def _close_after(client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocketResponse,
+                       down: asyncio.Task, up: asyncio.Task) -> None:
+    """Close the side that is still open with the code the first pump to end saw."""
+    for task, src, dst in ((down, upstream, client), (up, client, upstream)):
+        if task.cancelled():
+            continue  # still running when stopped: the other one ended first
+        code: int | None
+        if task.exception() is not None:
+            log.warning("terminal relay: %r", task.exception())
+            code = src.close_code
+        elif task.result() is _DST_FAILED:
+            src, dst = dst, src  # that pump could not send: its destination is the side that left
+            code = src.close_code
+        else:
+            result = task.result()
+            code = result if isinstance(result, int) else None
+        await dst.close(code=mirror_code(code))
+        if not src.closed:
+            await src.close(code=GOING_AWAY)
+        return
 
 
 _DST_FAILED = object()
