@@ -34,7 +34,7 @@ WS_LIMIT = 16 << 20  # the daemon's default server.max_ws_message_bytes
 FRAME = 256 << 20
 
 HOSTILE_WS_APP = r'''
-import base64, hashlib, socket, struct, sys, threading
+import base64, hashlib, os, socket, struct, sys, threading
 GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 FRAME = int(sys.argv[2])
 
@@ -58,8 +58,9 @@ def serve(conn):
             sent += len(chunk)
     except OSError:
         pass
-    with open("/root/ws_sent", "w") as f:
+    with open("/root/ws_sent.tmp", "w") as f:
         f.write(str(sent))
+    os.rename("/root/ws_sent.tmp", "/root/ws_sent")  # whole, or not there yet
     conn.close()
 
 srv = socket.socket()
@@ -181,7 +182,7 @@ def read_file(api: httpx.Client, sid: str, path: str, timeout: float = 30) -> st
 
 
 async def ws_until_closed(url: str, headers: dict[str, str], send: bytes | None = None,
-                          timeout: float = 120) -> aiohttp.WSMessage:
+                          timeout: float = 120) -> aiohttp.WSMessage | None:
     """Connect (retrying while the app is not up yet), optionally send, return the first
     message that is not data."""
     deadline = time.monotonic() + timeout
@@ -195,12 +196,17 @@ async def ws_until_closed(url: str, headers: dict[str, str], send: bytes | None 
                     raise
                 await asyncio.sleep(0.3)
         async with ws:
-            if send is not None:
-                await ws.send_bytes(send)
-            while True:
-                msg = await asyncio.wait_for(ws.receive(), deadline - time.monotonic())
-                if msg.type not in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT):
-                    return msg
+            try:
+                if send is not None:
+                    await ws.send_bytes(send)
+                while True:
+                    msg = await asyncio.wait_for(ws.receive(), deadline - time.monotonic())
+                    if msg.type not in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT):
+                        return msg
+            except (ConnectionError, aiohttp.ClientError):
+                # The daemon sends its 1009 close and drops the socket at once: a sender
+                # still writing its frame can get the reset before it reads the close.
+                return None
 
 
 def test_oversize_ws_frame_from_a_guest_app_is_refused_with_rss_bounded(daemon, api, sandbox):
@@ -211,7 +217,7 @@ def test_oversize_ws_frame_from_a_guest_app_is_refused_with_rss_bounded(daemon, 
     headers = {"Host": host_for(sid, 8001), "X-AgentBox-Token": token}
     with RSSWatch(daemon.proc.pid) as rss:
         msg = asyncio.run(ws_until_closed(daemon.url + "/", headers))
-    assert msg.type is aiohttp.WSMsgType.CLOSE and msg.data == 1009, msg
+    assert msg is not None and msg.type is aiohttp.WSMsgType.CLOSE and msg.data == 1009, msg
     sent = read_file(api, sid, "/root/ws_sent")
     assert sent is not None and int(sent) < FRAME // 2, sent  # dropped, not drained
     assert rss.growth < RSS_BOUND, f"daemon RSS grew {rss.growth >> 20} MiB"
@@ -226,10 +232,15 @@ def test_oversize_ws_frame_from_the_client_is_refused(daemon, api, sandbox, web)
     with RSSWatch(daemon.proc.pid) as rss:
         msg = asyncio.run(ws_until_closed(daemon.url + "/ws", headers,
                                           send=b"x" * (WS_LIMIT + 1)))
-    assert msg.type is aiohttp.WSMsgType.CLOSE and msg.data == 1009, msg
+    # Refused: a close with 1009 (never the echo), or the reset that follows it.
+    assert msg is None or (msg.type is aiohttp.WSMsgType.CLOSE and msg.data == 1009), msg
     assert rss.growth < RSS_BOUND, f"daemon RSS grew {rss.growth >> 20} MiB"
-    r = web.get("/closes", headers={"Host": host_for(sid, 8000), "X-AgentBox-Token": token})
-    assert r.status_code == 200 and 1009 in r.json()["closes"]  # the app was closed too
+    for _ in range(50):  # the app was closed too, and told why
+        r = web.get("/closes", headers={"Host": host_for(sid, 8000), "X-AgentBox-Token": token})
+        if r.status_code == 200 and r.json()["closes"]:
+            break
+        time.sleep(0.2)
+    assert r.json()["closes"] == [1009], r.text
 
 
 def test_fake_agent_with_endless_replies_is_bounded_and_others_keep_answering(
