@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -96,6 +97,7 @@ def build_app(config: Config) -> web.Application:
     app[api.MAX_UPLOAD_KEY] = config.server.max_upload_bytes
     app[api_keys.TENANCY_KEY] = config.tenancy
     app[LIMITER_KEY] = RateLimiter(config.tenancy)
+    app[terminal.MAX_WS_KEY] = config.server.max_ws_message_bytes
     app.add_routes(api.routes)
     app.add_routes(api_interp.routes)
     app.add_routes(api_keys.routes)
@@ -148,5 +150,17 @@ def serve(config: Config) -> None:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     web.run_app(build_app(config), host=config.server.host, port=config.server.port,
-                loop=uvloop.new_event_loop(), print=None, access_log=None,
-                handler_cancellation=True, auto_decompress=False)  # the proxy passes bodies as-is
+                loop=uvloop.new_event_loop(), print=None, **server_options(config))
+
+
+def server_options(config: Config) -> dict[str, Any]:
+    """How the HTTP server treats its clients (``run_app``/``AppRunner`` keyword arguments)."""
+    return {
+        "access_log": None, "handler_cancellation": True,
+        "auto_decompress": False,  # the proxy passes bodies as-is
+        # aiohttp arms this timer when a connection opens and again after each response,
+        # and closes the connection if it fires while the request's headers are still
+        # incomplete: the header-read timeout (slowloris) and the idle keep-alive limit.
+        # It is not reset by bytes arriving, so headers sent a byte at a time are cut off.
+        "keepalive_timeout": config.server.header_read_timeout,
+    }

@@ -43,6 +43,10 @@ class ServerConfig:
     preview_rewrite_host: bool = False  # send Host: localhost:{port} upstream (dev servers)
     proxy_connect_timeout: float = 5.0
     proxy_read_timeout: float = 300.0  # seconds between bytes from a guest app (then 504)
+    # Untrusted-input bounds (issue 10): every WebSocket message either way, and the time a
+    # client has to send its request headers (also how long an idle keep-alive connection lives).
+    max_ws_message_bytes: int = 16 << 20
+    header_read_timeout: float = 15.0
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")
@@ -60,6 +64,10 @@ class ServerConfig:
             raise ValueError("public_scheme must be http or https; public_port 0-65535")
         if self.proxy_connect_timeout <= 0 or self.proxy_read_timeout <= 0:
             raise ValueError("proxy timeouts must be positive")
+        if not isinstance(self.max_ws_message_bytes, int) or self.max_ws_message_bytes < 1024:
+            raise ValueError("max_ws_message_bytes must be an integer >= 1024")
+        if self.header_read_timeout <= 0:
+            raise ValueError("header_read_timeout must be positive")
 
     @property
     def host(self) -> str:

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from gateway import core as c
 from gateway.core import Policy, RestoreFailed, VMLost, WakeTimeout
-from gateway.errors import ApiError, SandboxNotFound
+from gateway.errors import ApiError, SandboxNotFound, Unavailable
 from gateway.lifecycle import State
 from gateway.metrics import Metrics
 from gateway.registry import Registry, SandboxRecord
@@ -88,6 +88,7 @@ class SandboxController:
                                   restore_count=rec.restore_count, now=time.monotonic())
         self._op: asyncio.Task | None = None
         self._pace = asyncio.Semaphore(policy.max_concurrent_requests)
+        self._pace_waiting = 0  # admitted requests queued for a pacing slot (bounded)
         self._admitted: set[asyncio.Task] = set()
         self._aborted: dict[asyncio.Task, ApiError] = {}
         self._watch: ExitWatch | None = None
@@ -125,7 +126,7 @@ class SandboxController:
         self._admitted.add(task)
         try:
             if paced:
-                async with self._pace:
+                async with self._paced():
                     yield wake
             else:
                 yield wake
@@ -139,6 +140,29 @@ class SandboxController:
             self._admitted.discard(task)
             self._aborted.pop(task, None)
             self._run(self.core.handle(c.RequestLeft(admitted=True, now=time.monotonic())))
+
+    @contextlib.asynccontextmanager
+    async def _paced(self) -> AsyncIterator[None]:
+        """One of the sandbox's ``max_concurrent_requests`` slots. The queue for a slot is
+        bounded like the wake hold queue (per sandbox, and in the global count): beyond it,
+        503 ``hold_queue_full`` at once rather than an ever longer line of held requests."""
+        p = self.core.policy
+        if self._pace.locked() and (self._pace_waiting >= p.max_waiters_per_sandbox
+                                    or self.holds.held >= p.max_waiters_global):
+            raise self._rejection(Unavailable(
+                "too many requests queued for this sandbox", code="hold_queue_full",
+                headers={"Retry-After": str(p.retry_after_s)}))
+        self._pace_waiting += 1
+        self.holds.held += 1
+        try:
+            await self._pace.acquire()
+        finally:
+            self._pace_waiting -= 1
+            self.holds.held -= 1
+        try:
+            yield
+        finally:
+            self._pace.release()
 
     @contextlib.asynccontextmanager
     async def stream(self) -> AsyncIterator[Wake]:

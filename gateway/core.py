@@ -329,6 +329,7 @@ _row(S.DESTROYED, None, None, Plan(Step.DISCARD, None, None, "leftovers of a del
 
 _PATH = re.compile(r"(?:/[\w.@+-]+)+/([\w.@+-]+)")
 MAX_CAUSE = 500
+MAX_RECORDED_CAUSE = 2000  # a transition's cause as written to the registry
 
 
 def public_cause(text: str) -> str:
@@ -585,7 +586,8 @@ class SandboxCore:
 
     def _record(self, event: Event, cause: str, **fields: Any) -> list[Command]:
         self.state = next_state(self.state, event)
-        return [Record(event, cause, fields)]
+        # Causes carry exception text, some of it from the guest: bounded before the registry.
+        return [Record(event, cause[:MAX_RECORDED_CAUSE], fields)]
 
     def _watch(self, vmm: dict[str, Any] | None) -> list[Command]:
         pid = vmm.get("pid") if vmm else None

@@ -235,9 +235,10 @@ _ERRORS = {
     429: ("TooMany", "rate_limited (see Retry-After), too_many_contexts, "
                      "too_many_processes"),
     502: ("SandboxFailed", "the VM or guest agent failed: vm_start_failed, vm_gone, "
-                           "agent_unreachable, snapshot_invalid, vmm_protocol_error"),
+                           "agent_unreachable, agent_protocol_error, agent_reply_too_large, "
+                           "snapshot_invalid, vmm_protocol_error"),
     503: ("Unavailable", "at capacity (sandbox_limit) or busy; see Retry-After"),
-    504: ("Timeout", "the sandbox did not answer in time (vm_timeout)"),
+    504: ("Timeout", "the sandbox did not answer in time (vm_timeout, agent_timeout)"),
     507: ("NoSpace", "the sandbox's disk is full (no_space)"),
 }
 _SANDBOX_ERRORS = (404, 409, 502, 503, 504)

@@ -262,7 +262,8 @@ async def _proxy_lifecycle(app: web.Application) -> AsyncIterator[None]:
     server = app[info.SERVER_KEY]
     service, registry = app[SERVICE_KEY], app[REGISTRY_KEY]
     pool = UpstreamPool(server.proxy_connect_timeout, server.proxy_read_timeout)
-    app[PROXY_KEY] = Proxy(service, pool, rewrite_host=server.preview_rewrite_host)
+    app[PROXY_KEY] = Proxy(service, pool, rewrite_host=server.preview_rewrite_host,
+                           max_ws_message_bytes=server.max_ws_message_bytes)
     app[ACCESS_KEY] = AccessStore(registry)
     app[sessions.SESSIONS_KEY] = session_service = sessions.SessionService(service, registry)
     try:

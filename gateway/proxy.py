@@ -52,6 +52,7 @@ T = TypeVar("T")
 SKIP_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS"})
 WS_CLOSE_TIMEOUT = 10.0
+DEFAULT_WS_LIMIT = 16 << 20  # ServerConfig.max_ws_message_bytes
 
 
 class PortClosed(ApiError):
@@ -139,10 +140,15 @@ class UpstreamPool:
 
 
 class Proxy:
-    def __init__(self, service: Any, pool: UpstreamPool, rewrite_host: bool = False) -> None:
+    def __init__(self, service: Any, pool: UpstreamPool, rewrite_host: bool = False,
+                 max_ws_message_bytes: int = DEFAULT_WS_LIMIT) -> None:
         self.service = service
         self.pool = pool
         self.rewrite_host = rewrite_host
+        # Both sockets of a spliced pair get the same bound, so any message one side may
+        # send is one the other side accepts; aiohttp refuses a bigger frame from its
+        # header (close 1009) before buffering any of its payload.
+        self.max_ws = max_ws_message_bytes
 
     async def handle(self, request: web.Request, target: Target) -> web.StreamResponse:
         if is_websocket(request):
@@ -207,15 +213,15 @@ class Proxy:
 
             def attempt() -> Awaitable[aiohttp.ClientWebSocketResponse]:
                 return session.ws_connect(
-                    url, protocols=offered, headers=headers, max_msg_size=0, autoping=False,
-                    autoclose=True, compress=0,
+                    url, protocols=offered, headers=headers, max_msg_size=self.max_ws,
+                    autoping=False, autoclose=True, compress=0,
                     timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=WS_CLOSE_TIMEOUT))
 
             upstream = await self._connect(machine, target, attempt, replayable=True)
             try:
                 down = web.WebSocketResponse(
                     protocols=[upstream.protocol] if upstream.protocol else [],
-                    max_msg_size=0, autoping=False, autoclose=True, compress=False,
+                    max_msg_size=self.max_ws, autoping=False, autoclose=True, compress=False,
                     timeout=WS_CLOSE_TIMEOUT)
                 if target.set_cookie:
                     down.headers.add("Set-Cookie", target.set_cookie)
@@ -326,8 +332,16 @@ async def _pump(src: Any, dst: Any, from_upstream: bool) -> None:
             return  # dst is gone; its own pump sees that and closes src
     if kind is aiohttp.WSMsgType.CLOSE:
         code, reason = msg.data, (msg.extra or "").encode()
+    elif kind is aiohttp.WSMsgType.ERROR and isinstance(msg.data, aiohttp.WebSocketError):
+        # A protocol error of src's, e.g. a frame over the limit: aiohttp sent src that code
+        # (1009) and dropped its socket (so close_code reads 1006); the other side hears why.
+        code, reason = msg.data.code, _reason(msg.data.code)
     else:  # CLOSING, CLOSED, ERROR: the connection broke without a close frame
         code, reason = src.close_code, b""
     if not dst.closed:
         await asyncio.shield(dst.close(code=mirror_close_code(code, from_upstream),
                                        message=reason))
+
+
+def _reason(code: int) -> bytes:
+    return b"the peer sent a message over the size limit" if code == 1009 else b""

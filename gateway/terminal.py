@@ -42,6 +42,9 @@ from vmctl import agent_terminal
 log = logging.getLogger(__name__)
 
 routes = web.RouteTableDef()
+# Bound on one message either way (config server.max_ws_message_bytes); over it: close 1009.
+MAX_WS_KEY = web.AppKey("terminal_max_ws_message_bytes", int)
+DEFAULT_WS_LIMIT = 16 << 20
 
 HEARTBEAT = 20.0  # seconds between pings to the client: a vanished client ends the terminal
 GOING_AWAY = 1001
@@ -73,14 +76,15 @@ def _size(request: web.Request) -> tuple[int, int]:
 async def terminal(request: web.Request) -> web.StreamResponse:
     cols, rows = _size(request)
     _refuse_guest_origin(request)
-    ws = web.WebSocketResponse(max_msg_size=0, heartbeat=HEARTBEAT)
+    limit = request.app.get(MAX_WS_KEY, DEFAULT_WS_LIMIT)
+    ws = web.WebSocketResponse(max_msg_size=limit, heartbeat=HEARTBEAT)
     if not ws.can_prepare(request).ok:
         raise BadRequest("the terminal is a WebSocket: send an Upgrade request",
                          code="websocket_required")
     service = request.app[SERVICE_KEY]
     async with service.use_stream(current_key(request).id, request.match_info["id"]) as machine:
         upstream = await agent_terminal.open_pty(machine.require_agent(), cols, rows,
-                                                 request.query.get("cmd"))
+                                                 request.query.get("cmd"), max_msg_size=limit)
         try:
             await ws.prepare(request)
             await relay(ws, upstream)
@@ -111,27 +115,46 @@ async def relay(client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocket
     down = asyncio.create_task(_pump(upstream, client), name="terminal-down")
     up = asyncio.create_task(_pump(client, upstream), name="terminal-up")
     try:
-        done, _ = await asyncio.wait({down, up}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({down, up}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         # Stop both pumps before closing: a close() racing a receive() in another task
-        # would drop the connection without waiting for the peer's close frame.
+        # would drop the connection without waiting for the peer's close frame. This runs
+        # when cancelled too: aiohttp drops the socket of a peer that sent an oversize
+        # frame, which cancels this handler, and the other side must still hear 1009.
         for task in (down, up):
             task.cancel()
         await asyncio.gather(down, up, return_exceptions=True)
-    first = down if down in done else up
-    src, dst = (upstream, client) if first is down else (client, upstream)
-    if first.exception() is not None:
-        log.warning("terminal relay: %r", first.exception())
-    elif first.result() is False:
-        src, dst = dst, src  # that pump could not send: its destination is the side that left
-    await dst.close(code=mirror_code(src.close_code))
-    if not src.closed:
-        await src.close(code=GOING_AWAY)
+        await asyncio.shield(_close_after(client, upstream, down, up))
 
 
-async def _pump(src: AnyWS, dst: AnyWS) -> bool:
-    """Copy frames from ``src`` to ``dst``: True once ``src`` closed, False if ``dst``
-    could not be written to."""
+async def _close_after(client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocketResponse,
+                       down: asyncio.Task, up: asyncio.Task) -> None:
+    """Close the side that is still open with the code the first pump to end saw."""
+    for task, src, dst in ((down, upstream, client), (up, client, upstream)):
+        if task.cancelled():
+            continue  # still running when stopped: the other one ended first
+        code: int | None
+        if task.exception() is not None:
+            log.warning("terminal relay: %r", task.exception())
+            code = src.close_code
+        elif task.result() is _DST_FAILED:
+            src, dst = dst, src  # that pump could not send: its destination is the side that left
+            code = src.close_code
+        else:
+            result = task.result()
+            code = result if isinstance(result, int) else None
+        await dst.close(code=mirror_code(code))
+        if not src.closed:
+            await src.close(code=GOING_AWAY)
+        return
+
+
+_DST_FAILED = object()
+
+
+async def _pump(src: AnyWS, dst: AnyWS) -> object:
+    """Copy frames from ``src`` to ``dst``. Returns the close code ``src`` ended with, or
+    ``_DST_FAILED`` if ``dst`` could not be written to."""
     async for msg in src:  # ends at a close frame (or a closed socket)
         try:
             if msg.type is WSMsgType.BINARY:
@@ -139,7 +162,11 @@ async def _pump(src: AnyWS, dst: AnyWS) -> bool:
             elif msg.type is WSMsgType.TEXT:
                 await dst.send_str(msg.data)
             elif msg.type is WSMsgType.ERROR:
+                # A frame over the limit (or another protocol error): aiohttp sent src the
+                # code (1009) and dropped its socket, so src.close_code would say 1006.
+                if isinstance(msg.data, aiohttp.WebSocketError):
+                    return int(msg.data.code)
                 break
         except (ConnectionError, aiohttp.ClientError):
-            return False
-    return True
+            return _DST_FAILED
+    return src.close_code

@@ -9,6 +9,8 @@ is made on wake.
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -17,6 +19,7 @@ import aiohttp
 
 from guest.protocol import (
     AGENT_PORT,
+    MAX_OUTPUT_BYTES,
     DirListing,
     ExecRequest,
     ExecResult,
@@ -24,7 +27,27 @@ from guest.protocol import (
     Health,
     InitRequest,
 )
-from vmctl.errors import VMGoneError, VmctlError, VMTimeoutError
+from vmctl.errors import (
+    GuestReplyError,
+    GuestReplyTimeout,
+    GuestReplyTooLarge,
+    VMGoneError,
+    VmctlError,
+    VMTimeoutError,
+)
+
+# Everything read from the guest is bounded (the guest is untrusted). Replies are read into
+# memory only up to a cap: most are small; /exec and /run_code carry up to MAX_OUTPUT_BYTES
+# of each stream, which JSON escaping can grow sixfold (\u00XX per byte).
+MAX_REPLY_BYTES = 8 << 20
+MAX_OUTPUT_REPLY_BYTES = 2 * 6 * MAX_OUTPUT_BYTES + (1 << 20)
+MAX_LISTING_BYTES = 64 << 20  # a directory listing (one FileInfo per entry)
+MAX_ERROR_BODY = 64 << 10  # an error reply's body
+MAX_ERROR_TEXT = 1000  # characters of the guest's error message we pass on (API, logs)
+# Once the agent has started answering (headers read), the rest of a JSON reply must arrive
+# within this many seconds (a reply that trickles forever fails instead of holding a slot).
+REPLY_BODY_TIMEOUT = 60.0
+_CODE = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 
 class AgentError(VmctlError):
@@ -92,7 +115,8 @@ class AgentClient:
 
     async def execute(self, req: ExecRequest) -> ExecResult:
         # The agent enforces req.timeout; give the HTTP exchange a margin on top.
-        data = await self._json("POST", "/exec", json=req.to_dict(), timeout=req.timeout + 15)
+        data = await self._json("POST", "/exec", json=req.to_dict(), timeout=req.timeout + 15,
+                                max_bytes=MAX_OUTPUT_REPLY_BYTES)
         return ExecResult.from_dict(data)
 
     async def sync(self, timeout: float) -> None:
@@ -125,7 +149,7 @@ class AgentClient:
 
     @staticmethod
     async def listing(resp: aiohttp.ClientResponse) -> DirListing:
-        return DirListing.from_dict(await resp.json())
+        return DirListing.from_dict(await read_json(resp, MAX_LISTING_BYTES))
 
     # -- plumbing ----------------------------------------------------------------
 
@@ -137,9 +161,14 @@ class AgentClient:
                 timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=2.0), **kw)
         except aiohttp.ClientConnectionError as exc:
             raise AgentUnreachable(f"guest agent unreachable: {exc}") from exc
+        except aiohttp.ClientResponseError as exc:  # headers over the parser's limits
+            raise GuestReplyError(f"guest agent sent a malformed reply: "
+                                  f"{bounded(exc.message)}") from exc
+        except TimeoutError as exc:
+            raise GuestReplyTimeout(f"guest agent did not answer {path} in time") from exc
 
     async def _json(self, method: str, path: str, timeout: float | None = 30.0,
-                    **kw: Any) -> Any:
+                    max_bytes: int = MAX_REPLY_BYTES, **kw: Any) -> Any:
         resp = await self._request(method, path, timeout=timeout, **kw)
         async with resp:
             if resp.status >= 400:
@@ -147,16 +176,62 @@ class AgentClient:
             if resp.status == 204:
                 return None
             try:
-                return await resp.json(content_type=None)
-            except aiohttp.ClientPayloadError as exc:
-                raise AgentUnreachable(f"guest agent connection broke: {exc}") from exc
+                return await read_json(resp, max_bytes)
+            except TimeoutError as exc:  # the session's total timeout (or ours, in read_json)
+                if isinstance(exc, GuestReplyTimeout):
+                    raise
+                raise GuestReplyTimeout(f"guest agent did not finish answering {path} "
+                                        "in time") from exc
 
     @staticmethod
     async def _raise_for(resp: aiohttp.ClientResponse) -> None:
         try:
-            err = (await resp.json(content_type=None))["error"]
-            code, message = str(err["code"]), str(err["message"])
+            err = (await read_json(resp, MAX_ERROR_BODY))["error"]
+            code, message = str(err["code"]), bounded(str(err["message"]))
+            if not _CODE.fullmatch(code):
+                code = "agent_error"
         except Exception:
             code, message = "agent_error", f"guest agent answered {resp.status}"
         resp.release()
         raise AgentError(resp.status, code, message)
+
+
+def bounded(text: str, limit: int = MAX_ERROR_TEXT) -> str:
+    """Text from the guest cut to ``limit`` characters before it reaches an API answer,
+    a log line or the registry."""
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text) - limit} more)"
+
+
+async def read_body(resp: aiohttp.ClientResponse, limit: int,
+                    timeout: float | None = None) -> bytes:
+    """A reply's body, at most ``limit`` bytes, within ``timeout`` seconds: never more
+    memory than the cap, never forever. ``GuestReplyTooLarge`` / ``GuestReplyTimeout``."""
+    if resp.content_length is not None and resp.content_length > limit:
+        raise GuestReplyTooLarge(f"guest agent reply of {resp.content_length} bytes is over "
+                                 f"the limit of {limit}")
+    timeout = REPLY_BODY_TIMEOUT if timeout is None else timeout
+    buf = bytearray()
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in resp.content.iter_any():
+                buf += chunk
+                if len(buf) > limit:
+                    raise GuestReplyTooLarge(f"guest agent reply is over the limit of "
+                                             f"{limit} bytes")
+    except TimeoutError as exc:
+        raise GuestReplyTimeout(f"guest agent reply not complete after {timeout:g}s "
+                                f"({len(buf)} bytes)") from exc
+    except aiohttp.ClientPayloadError as exc:
+        raise AgentUnreachable(f"guest agent connection broke: {exc}") from exc
+    return bytes(buf)
+
+
+async def read_json(resp: aiohttp.ClientResponse, limit: int) -> Any:
+    body = await read_body(resp, limit)
+    if not body.strip():
+        return None
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        raise GuestReplyError(f"guest agent reply is not JSON: {bounded(str(exc), 200)}") \
+            from exc

@@ -27,7 +27,8 @@ from guest.protocol import (
     SignalRequest,
     validate_context_name,
 )
-from vmctl.agent_client import AgentClient, AgentUnreachable
+from vmctl.agent_client import MAX_OUTPUT_REPLY_BYTES, AgentClient, AgentUnreachable
+from vmctl.errors import GuestReplyError, GuestReplyTooLarge
 
 # The agent enforces its own timeouts; the HTTP exchange gets this much on top
 # (a context's first run also starts its python3 worker).
@@ -53,7 +54,8 @@ async def delete_context(agent: AgentClient, name: str) -> None:
 
 async def run_code(agent: AgentClient, req: RunCodeRequest) -> Execution:
     body = {**req.to_dict(), "stream": False}
-    data = await agent._json("POST", "/run_code", json=body, timeout=req.timeout + MARGIN)
+    data = await agent._json("POST", "/run_code", json=body, timeout=req.timeout + MARGIN,
+                             max_bytes=MAX_OUTPUT_REPLY_BYTES)
     return Execution.from_dict(data)
 
 
@@ -112,19 +114,33 @@ async def open_output(agent: AgentClient, pid: int, offset: int = 0,
 
 # -- streams ---------------------------------------------------------------------------
 
-async def iter_events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
-    """Parse an NDJSON stream from the agent (lines may be large: images, big output)."""
+async def iter_events(resp: aiohttp.ClientResponse,
+                      max_line: int = MAX_OUTPUT_REPLY_BYTES) -> AsyncIterator[dict[str, Any]]:
+    """Parse an NDJSON stream from the agent (lines may be large: images, big output, but
+    not endless: a line over ``max_line`` bytes is ``GuestReplyTooLarge``)."""
     buf = bytearray()
     try:
         async for chunk in resp.content.iter_any():
             buf += chunk
             *lines, rest = buf.split(b"\n")
+            if len(rest) > max_line:
+                raise GuestReplyTooLarge(f"guest agent stream line over {max_line} bytes")
             buf = bytearray(rest)
             for line in lines:
                 if line.strip():
-                    yield json.loads(line)
+                    yield _event(line)
     except aiohttp.ClientPayloadError as exc:
         raise AgentUnreachable(f"guest agent stream broke: {exc}") from exc
+
+
+def _event(line: bytes) -> dict[str, Any]:
+    try:
+        event = json.loads(line)
+    except ValueError as exc:
+        raise GuestReplyError(f"guest agent stream line is not JSON: {exc}") from exc
+    if not isinstance(event, dict):
+        raise GuestReplyError("guest agent stream line is not a JSON object")
+    return event
 
 
 async def _open(agent: AgentClient, method: str, path: str,

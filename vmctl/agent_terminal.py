@@ -21,23 +21,28 @@ from guest.protocol import (
 from vmctl.agent_client import AgentClient, AgentError, AgentUnreachable
 
 HEARTBEAT = 30.0  # seconds between pings to the agent on an open terminal
+DEFAULT_WS_LIMIT = 16 << 20  # bytes in one message from the guest (never 0 = unbounded)
 _CODES = {400: "bad_request", 404: "not_found", 429: "too_many_requests"}
 
 
 async def open_pty(agent: AgentClient, cols: int = DEFAULT_COLS, rows: int = DEFAULT_ROWS,
-                   cmd: str | None = None) -> aiohttp.ClientWebSocketResponse:
+                   cmd: str | None = None, max_msg_size: int = DEFAULT_WS_LIMIT
+                   ) -> aiohttp.ClientWebSocketResponse:
     """Start a shell (``cmd`` under the shell if given) on a terminal in the guest.
 
     Binary frames are raw terminal bytes both ways; send ``TerminalResize`` as a
     JSON text frame; the last frame is the JSON ``terminal_exit`` before a close
-    with 1000. Closing the socket hangs the shell up. The caller closes it."""
+    with 1000. Closing the socket hangs the shell up. The caller closes it. A guest
+    message over ``max_msg_size`` is refused from its frame header (close 1009), never
+    buffered whole."""
     cols, rows = validate_terminal_size(cols, rows)
     params = {"cols": str(cols), "rows": str(rows)}
     if cmd:
         params["cmd"] = cmd
     try:
         return await agent._session.ws_connect(
-            agent.base + "/pty", params=params, max_msg_size=0, heartbeat=HEARTBEAT)
+            agent.base + "/pty", params=params, max_msg_size=max_msg_size,
+            heartbeat=HEARTBEAT)
     except aiohttp.WSServerHandshakeError as exc:
         # The agent's JSON error body is not kept by aiohttp: its status is.
         code = _CODES.get(exc.status, "agent_error")

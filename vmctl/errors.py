@@ -56,3 +56,25 @@ class ImageError(VmctlError):
 
     code = "image_error"
     status = 500
+
+
+class GuestReplyError(VmctlError):
+    """The guest agent's reply broke the protocol: headers over the client's limits, or a
+    body that is not the JSON the endpoint answers with. (The guest is untrusted: it may
+    answer anything, and none of it may cost the host more than the bounds below.)"""
+
+    code = "agent_protocol_error"
+    status = 502
+
+
+class GuestReplyTooLarge(GuestReplyError):
+    """A reply (or one NDJSON line) from the guest agent exceeded its size cap."""
+
+    code = "agent_reply_too_large"
+
+
+class GuestReplyTimeout(VMTimeoutError, TimeoutError):
+    """The guest agent did not finish its reply in time. Also a ``TimeoutError``, so
+    callers that retry on timeouts (readiness polls) keep doing so."""
+
+    code = "agent_timeout"

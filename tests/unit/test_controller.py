@@ -176,6 +176,51 @@ async def test_hold_queue_overflow_is_503_with_retry_after(registry):
     assert m.wakes == 1
 
 
+async def test_pacing_queue_of_a_running_sandbox_is_bounded(registry):
+    # RUNNING: nothing is held for a wake, but requests beyond max_concurrent_requests queue
+    # for a slot. That queue is bounded too: the overflow is 503 at once, not held forever.
+    ctl, m = make(registry, state=State.RUNNING,
+                  policy=WakePolicy(max_concurrent_requests=2, max_waiters_per_sandbox=3))
+    gate = asyncio.Event()
+
+    async def busy():
+        async with ctl.request():
+            await gate.wait()
+
+    tasks = [asyncio.ensure_future(busy()) for _ in range(5)]  # 2 in slots, 3 queued
+    await asyncio.sleep(0.05)
+    assert ctl.active == 5 and ctl.holds.held == 3
+    with pytest.raises(Unavailable) as info:
+        await asyncio.wait_for(one_request(ctl), 1.0)
+    assert info.value.code == "hold_queue_full" and info.value.headers["Retry-After"]
+    assert ctl.metrics.events["hold_rejected"] == 1
+    gate.set()
+    await asyncio.gather(*tasks)
+    assert ctl.active == 0 and ctl.holds.held == 0
+    await one_request(ctl)  # the queue drained: admitted again
+
+
+async def test_cancelled_pacing_waiter_leaves_the_queue(registry):
+    ctl, m = make(registry, state=State.RUNNING,
+                  policy=WakePolicy(max_concurrent_requests=1, max_waiters_per_sandbox=1))
+    gate = asyncio.Event()
+
+    async def busy():
+        async with ctl.request():
+            await gate.wait()
+
+    first = asyncio.ensure_future(busy())
+    queued = asyncio.ensure_future(busy())
+    await asyncio.sleep(0.02)
+    queued.cancel()
+    await asyncio.gather(queued, return_exceptions=True)
+    assert ctl.holds.held == 0 and ctl.active == 1
+    second = asyncio.ensure_future(busy())  # the freed queue place is usable
+    await asyncio.sleep(0.02)
+    gate.set()
+    await asyncio.gather(first, second)
+
+
 async def test_wake_deadline_is_504_and_waiters_are_dropped(registry):
     ctl, m = make(registry, policy=WakePolicy(wake_deadline=0.05),
                   machine=FakeMachine(wake_s=0.3))

@@ -279,3 +279,13 @@ def test_public_cause_is_bounded():
 def test_operations_doc_has_the_recovery_table():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
     assert c.recovery_table_markdown() in doc, "regenerate: python -m gateway.core"
+
+
+def test_causes_from_untrusted_text_are_bounded_before_the_registry():
+    # A cause carries exception text, which can come from the guest (agent error messages).
+    k = core(S.CREATING)
+    k.begin_create()
+    flood = "guest says: " + "x" * 1_000_000
+    (rec,) = [x for x in k.handle(c.CreateFailed(flood)) if isinstance(x, c.Record)]
+    assert len(rec.cause) <= c.MAX_RECORDED_CAUSE and rec.cause.startswith("create failed")
+    assert len(rec.fields["failure"]) <= c.MAX_CAUSE
