@@ -261,7 +261,7 @@ async def test_session_on_an_ordinary_port_still_proxies(env):
 async def test_terminal_refuses_pages_on_preview_and_session_hosts(env, monkeypatch):
     opened = []
 
-    async def fake_open_pty(agent, cols, rows, cmd):
+    async def fake_open_pty(agent, cols, rows, cmd, **_):
         opened.append(cmd)
         raise web.HTTPServiceUnavailable()  # stop here: only whether we got this far matters
 
