@@ -8,12 +8,14 @@ the API, the daemon is stopped, and the suite checks that nothing was left.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,20 +114,30 @@ def images_built() -> Path:
     return IMAGES_DIR
 
 
-@pytest.fixture(scope="session")
-def daemon(images_built, tmp_path_factory) -> Daemon:
-    d = start_daemon(tmp_path_factory.mktemp("agentbox") / "data")
-    yield d
+@contextlib.contextmanager
+def running_daemon(data_dir: Path, config: Path = CONFIG) -> Iterator[Daemon]:
+    """A daemon for a test module or session: at the end its sandboxes are deleted through
+    the API, it is stopped, and no VMM of its data dir may be left."""
+    d = start_daemon(data_dir, config=config)
     try:
-        with d.client() as client:
-            for sb in client.get("/v1/sandboxes").json()["sandboxes"]:
-                client.delete(f"/v1/sandboxes/{sb['id']}")
+        yield d
     finally:
-        stop_daemon(d)
-    leftovers = vmm_pids_for(str(d.data_dir))
-    for pid in leftovers:
-        os.kill(pid, signal.SIGKILL)
-    assert not leftovers, f"VMM processes left behind: {leftovers}"
+        try:
+            with d.client() as client:
+                for sb in client.get("/v1/sandboxes").json()["sandboxes"]:
+                    client.delete(f"/v1/sandboxes/{sb['id']}")
+        finally:
+            stop_daemon(d)
+        leftovers = vmm_pids_for(str(d.data_dir))
+        for pid in leftovers:
+            os.kill(pid, signal.SIGKILL)
+        assert not leftovers, f"VMM processes left behind: {leftovers}"
+
+
+@pytest.fixture(scope="session")
+def daemon(images_built, tmp_path_factory) -> Iterator[Daemon]:
+    with running_daemon(tmp_path_factory.mktemp("agentbox") / "data") as d:
+        yield d
 
 
 @pytest.fixture

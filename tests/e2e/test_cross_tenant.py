@@ -12,9 +12,7 @@ from a broken route or a dead app.
 from __future__ import annotations
 
 import asyncio
-import os
 import secrets
-import signal
 import stat
 import subprocess
 import time
@@ -25,7 +23,7 @@ import aiohttp
 import httpx
 import pytest
 
-from tests.e2e.conftest import Daemon, start_daemon, stop_daemon, vmm_pids_for
+from tests.e2e.conftest import Daemon, running_daemon
 from tests.e2e.test_browser import chromium
 
 pytestmark = pytest.mark.e2e
@@ -38,18 +36,8 @@ SESSIONS = "sessions.example.com"
 
 @pytest.fixture(scope="module")
 def xd(images_built, tmp_path_factory):
-    d = start_daemon(tmp_path_factory.mktemp("xtenant") / "data", config=CONFIG)
-    yield d
-    try:
-        with d.client() as admin:
-            for sb in admin.get("/v1/sandboxes").json()["sandboxes"]:
-                admin.delete(f"/v1/sandboxes/{sb['id']}")
-    finally:
-        stop_daemon(d)
-    leftovers = vmm_pids_for(str(d.data_dir))
-    for pid in leftovers:
-        os.kill(pid, signal.SIGKILL)
-    assert not leftovers, f"VMM processes left behind: {leftovers}"
+    with running_daemon(tmp_path_factory.mktemp("xtenant") / "data", config=CONFIG) as d:
+        yield d
 
 
 def new_tenant(d: Daemon, name: str) -> str:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import start_daemon, stop_daemon, vmm_pids_for
+from tests.e2e.conftest import running_daemon
 from guest.protocol import GUEST_ADDR, TAP_MAC
 from tests.netprobe import (LISTENER, listener, parse_probe, probe, probe_code, raw_udp_code,
                             sh, udp_seen)
@@ -251,20 +251,8 @@ def egress_daemon(images_built, tmp_path_factory, internet):
         '[sandbox]\ntemplates = ["python"]\nidle_timeout = 0\n\n'
         f'[network]\npool = "{EGRESS_POOL}"\nallow_egress = true\n'
         f"egress_allow = {json.dumps(EGRESS_ALLOW)}\n")
-    d = start_daemon(root / "data", config=config)
-    try:
+    with running_daemon(root / "data", config=config) as d:
         yield d
-    finally:
-        try:
-            with d.client() as client:
-                for sb in client.get("/v1/sandboxes").json()["sandboxes"]:
-                    client.delete(f"/v1/sandboxes/{sb['id']}")
-        finally:
-            stop_daemon(d)
-        leftovers = vmm_pids_for(str(d.data_dir))
-        for pid in leftovers:
-            os.kill(pid, 9)
-        assert not leftovers
 
 
 @pytest.fixture(scope="module")
