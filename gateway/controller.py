@@ -366,7 +366,9 @@ class SandboxController:
             watch.close()
 
     def _vmm_exited(self, pid: int) -> None:
-        log.warning("sandbox %s: VMM pid %d exited", self.id, pid)
+        driver = getattr(self.machine, "driver", None)  # test machines may have none
+        log.warning("sandbox %s: VMM pid %d exited%s", self.id, pid,
+                    driver.exit_detail() if driver is not None and driver.pid == pid else "")
         self._watch = None
         self.metrics.events["vmm_exited"] += 1
         self._run(self.core.handle(c.VMMExited(pid)))

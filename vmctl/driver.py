@@ -42,6 +42,7 @@ class Driver(abc.ABC):
         self.control_socket: Path | None = None
         self.started_at: float = 0.0
         self.last_error: BaseException | None = None
+        self.log_path: Path | None = None  # the VMM's own stderr/stdout
         self._proc: asyncio.subprocess.Process | None = None
 
     # -- public API -------------------------------------------------------
@@ -100,6 +101,18 @@ class Driver(abc.ABC):
 
     def alive(self) -> bool:
         return self.pid is not None and pid_alive(self.pid)
+
+    def exit_detail(self) -> str:
+        """How a VMM we started ended (exit status or signal, and the tail of its log), for
+        error messages: a VMM that dies by itself is the first thing an operator asks about."""
+        rc = self._proc.returncode if self._proc is not None else None
+        how = "" if rc is None else (f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}")
+        tail = ""
+        if self.log_path is not None:
+            with contextlib.suppress(OSError):
+                tail = self.log_path.read_bytes()[-400:].decode(errors="replace").strip()
+        parts = [p for p in (how, f"log: {tail}" if tail else "") if p]
+        return f" ({'; '.join(parts)})" if parts else ""
 
     # -- shared mechanics ---------------------------------------------------
 

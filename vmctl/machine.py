@@ -198,7 +198,11 @@ class Machine:
             await self.agent.wait_ready(self.backend.config.ready_timeout, driver.alive)
             await self._init_guest()
         except BaseException as exc:
+            died = isinstance(exc, VMGoneError)
             await asyncio.shield(self._abort_start())
+            if died:  # the log only: the VMM's own messages name host paths
+                log.warning("sandbox %s: VMM died during its cold boot%s", self.plan.vm_id,
+                            driver.exit_detail())
             if isinstance(exc, Exception):
                 raise RestoreError(f"cold boot failed: {exc}", guest_started=True) from exc
             raise
@@ -270,9 +274,14 @@ class Machine:
             timeout = self.backend.config.restore_timeout
             await self.agent.init_when_ready(self._init_request, timeout, driver.alive)
         except BaseException as exc:
+            died = isinstance(exc, VMGoneError)
             await asyncio.shield(self._abort_start())
+            if died:
+                log.warning("sandbox %s: VMM died during its restore%s", self.plan.vm_id,
+                            driver.exit_detail())
             if isinstance(exc, Exception):
-                raise RestoreError(f"guest did not come back: {exc}", guest_started=True) from exc
+                raise RestoreError(f"guest did not come back: {exc}",
+                                   guest_started=True) from exc
             raise
 
     def _announce_vmm(self) -> None:

@@ -424,7 +424,7 @@ class FirecrackerDriver(Driver):
             raise VMStartError(f"API socket path {socket_path} is too long for a Unix socket")
         socket_path.unlink(missing_ok=True)  # Firecracker refuses to bind over a stale one
         self.control_socket = socket_path
-        log_path = spec.workdir / CONSOLE_LOG
+        log_path = self.log_path = spec.workdir / CONSOLE_LOG
         with open(log_path, "ab") as log_file:
             # A new session: the VMM must outlive the daemon (it is re-adopted on restart).
             self._proc = await asyncio.create_subprocess_exec(

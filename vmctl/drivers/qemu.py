@@ -193,7 +193,7 @@ class QemuDriver(Driver):
             argv = ["ip", "netns", "exec", spec.netns, *argv]
         # Outermost: `ip netns exec` mounts a fresh /sys, which has no cgroup mounts.
         argv = cgroup.wrap(argv, await asyncio.to_thread(self._prepare_confinement, spec))
-        log_path = spec.workdir / "vmm.log"
+        log_path = self.log_path = spec.workdir / "vmm.log"
         with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600),
                        "ab") as log_file:
             # A new session: the VMM must outlive the daemon (it is re-adopted on restart).
