@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -87,6 +88,15 @@ def crash_at(d: Daemon, data: Path, port: int, point: str, action) -> None:
         except httpx.HTTPError:
             pass
     assert armed.proc.wait(60) == -signal.SIGKILL, f"the daemon did not die at {point}"
+
+
+def keep_vm_logs(data: Path, ids: list[str], dest: Path) -> None:
+    """Copy each sandbox's VMM and console logs out before cleanup deletes them (a failure
+    is diagnosed from them: why a VMM died, what its guest printed)."""
+    for sid in ids:
+        for log in (data / "sandboxes" / sid / "vm").glob("*.log*"):
+            (dest / sid).mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(log, dest / sid / log.name)
 
 
 def restart(data: Path, port: int, armed: bool, kills: Counter) -> Daemon:
@@ -397,5 +407,6 @@ def test_random_chaos_loses_nothing(tmp_path, images_built):
         assert chaos.errors == []
         assert sum(kills.values()) >= 3
     finally:
+        keep_vm_logs(data, ids, tmp_path / "vm-logs")
         cleanup(d, data, ids)
     assert_no_leftovers(data, ids)
