@@ -304,8 +304,7 @@ class SandboxController:
                     snapshot_unusable=bool(err and err.snapshot_unusable))))
                 if self.core.op is c.Op.COLD_BOOT:
                     return  # the waiters carry on waiting, for the cold boot
-                raise RestoreFailed(f"sandbox {self.id} could not be restored: "
-                                    f"{c.public_cause(str(exc))}") from exc
+                raise c.wake_error(self.id, str(exc), bool(err and err.vmm_died)) from exc
             self.metrics.events["cold_boot" if cold else "restore"] += 1
             self.metrics.restore_seconds.observe(ms / 1000)
             self._run(self.core.handle(c.RestoreFinished(ms, self._vmm())))

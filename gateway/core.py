@@ -332,6 +332,16 @@ MAX_CAUSE = 500
 MAX_RECORDED_CAUSE = 2000  # a transition's cause as written to the registry
 
 
+def wake_error(sandbox_id: str, cause: str, vmm_died: bool) -> ApiError:
+    """What the requests waiting for a failed restore or cold boot are answered. A VMM that
+    died under it (killed, crashed) is transient: the next request starts it again, so
+    503 with Retry-After, as for a VMM that dies while running. Anything else is 502."""
+    if vmm_died:
+        return VMLost("the sandbox's VM stopped while it was starting; the next request "
+                      "starts it again", headers={"Retry-After": "1"})
+    return RestoreFailed(f"sandbox {sandbox_id} could not be restored: {public_cause(cause)}")
+
+
 def public_cause(text: str) -> str:
     """A failure cause fit for API users: host paths reduced to file names, bounded."""
     return _PATH.sub(r"\1", text)[:MAX_CAUSE]

@@ -56,16 +56,18 @@ class MachinePlan:
 class RestoreError(VmctlError):
     """A wake failed. ``guest_started``: the guest ran, so its snapshot is spent.
     ``snapshot_unusable``: the snapshot is corrupt, missing, truncated, already used,
-    or its device state did not load; retrying it cannot help."""
+    or its device state did not load; retrying it cannot help. ``vmm_died``: the VMM
+    process ended by itself (killed, crashed) while the guest was coming up."""
 
     code = "restore_failed"
     status = 502
 
     def __init__(self, message: str, guest_started: bool,
-                 snapshot_unusable: bool = False) -> None:
+                 snapshot_unusable: bool = False, vmm_died: bool = False) -> None:
         super().__init__(message)
         self.guest_started = guest_started
         self.snapshot_unusable = snapshot_unusable
+        self.vmm_died = vmm_died
 
 
 SYNC_TIMEOUT_S = 20.0  # guest filesystems flushed before a snapshot (cold-boot fallback)
@@ -204,7 +206,8 @@ class Machine:
                 log.warning("sandbox %s: VMM died during its cold boot%s", self.plan.vm_id,
                             driver.exit_detail())
             if isinstance(exc, Exception):
-                raise RestoreError(f"cold boot failed: {exc}", guest_started=True) from exc
+                raise RestoreError(f"cold boot failed: {exc}", guest_started=True,
+                                   vmm_died=died) from exc
             raise
         return (time.monotonic() - started) * 1000
 
@@ -281,7 +284,7 @@ class Machine:
                             driver.exit_detail())
             if isinstance(exc, Exception):
                 raise RestoreError(f"guest did not come back: {exc}",
-                                   guest_started=True) from exc
+                                   guest_started=True, vmm_died=died) from exc
             raise
 
     def _announce_vmm(self) -> None:

@@ -16,6 +16,7 @@ from gateway.controller import (
     WakePolicy,
     WakeTimeout,
 )
+from gateway.core import VMLost
 from gateway.errors import Unavailable
 from gateway.lifecycle import Event, State
 from gateway.registry import Registry, SandboxRecord
@@ -162,6 +163,25 @@ async def test_a_failed_cold_boot_is_not_retried_until_the_next_request(registry
     with pytest.raises(RestoreFailed):
         await one_request(ctl)
     assert m.cold_boots == 2 and "disk gone" in registry.get("sb1").failure
+
+
+async def test_a_vmm_killed_during_the_wake_is_503_with_retry_after_not_502(registry):
+    class Killed(FakeMachine):
+        async def cold_boot(self):
+            self.cold_boots += 1
+            await asyncio.sleep(0.01)
+            if self.cold_boots == 1:  # killed from outside while its guest booted
+                raise RestoreError("the VMM exited", guest_started=True, vmm_died=True)
+            self.running = True
+            return 1.0
+
+    ctl, m = make(registry, machine=Killed())
+    m.fail_next_wake = RestoreError("the VMM exited", guest_started=True, vmm_died=True)
+    with pytest.raises(VMLost) as info:
+        await one_request(ctl)
+    assert info.value.status == 503 and info.value.headers["Retry-After"]
+    assert ctl.state is State.FAILED
+    assert (await one_request(ctl)).woke and m.cold_boots == 2  # the retry it was told to make
 
 
 async def test_hold_queue_overflow_is_503_with_retry_after(registry):
