@@ -170,3 +170,23 @@ def test_memory_cpu_and_fork_bombs_stay_inside_their_vm(api, daemon, two):
     assert _rss_kib(daemon.proc.pid) - daemon_rss < 64 * 1024
     api.delete(f"/v1/sandboxes/{bomber}")
     assert not vmm_pids_for(bomber)
+
+
+def test_a_cold_booted_vmm_is_confined_and_its_new_memory_file_private(api, daemon, two):
+    sid = two[0]
+    uid = int(_status(_vmm(sid))["Uid"].split()[0])
+    run(api, sid, command="echo kept > /root/f && sync")
+    os.kill(_vmm(sid), 9)  # its memory is gone: the next request cold-boots the disk
+    deadline = time.monotonic() + 120
+    while True:
+        r = api.post(f"/v1/sandboxes/{sid}/execute", json={"command": "cat /root/f"})
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        assert r.status_code == 503 and r.headers.get("Retry-After"), r.text
+        time.sleep(float(r.headers["Retry-After"]))
+    assert r.status_code == 200 and r.json()["stdout"] == "kept\n", r.text
+    st = _status(_vmm(sid))
+    assert int(st["Uid"].split()[0]) == uid and st["Seccomp"].strip() == "2"
+    memory = daemon.data_dir / "sandboxes" / sid / "memory"
+    assert memory.stat().st_uid == uid and memory.stat().st_mode & 0o077 == 0
+

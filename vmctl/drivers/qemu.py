@@ -212,6 +212,8 @@ class QemuDriver(Driver):
         """Give the VM's files to its uid (0600; its directory 0700) and make its cgroup;
         returns the cgroup.procs files the VMM must join."""
         c = spec.confinement
+        if not spec.mem_file.exists():  # a cold boot: QEMU would create it world-readable
+            os.close(os.open(spec.mem_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         for path in (spec.disk, spec.mem_file):
             if path.exists():
                 confine.chown_private(path, c)
