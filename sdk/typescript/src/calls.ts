@@ -15,6 +15,10 @@ export const MARGIN = 90;
 export const DEFAULT_EXEC_TIMEOUT = 60;
 export const DEFAULT_RUN_TIMEOUT = 300;
 
+/** Our HTTP limit for a run the server limits to `timeout` seconds (a bad value: the server says so). */
+const limit = (timeout: unknown, fallback: number): number =>
+  (typeof timeout === "number" && Number.isFinite(timeout) && timeout >= 0 ? timeout : fallback) + MARGIN;
+
 /** An absolute guest path (relative ones are relative to /root). */
 export function sandboxPath(path: string): string {
   if (typeof path !== "string" || !path) {
@@ -122,7 +126,7 @@ export function execute(id: string, b: ExecBody): Call {
   const extra = defined({ timeout: b.timeout, env: b.env,
                           cwd: b.cwd === undefined ? undefined : sandboxPath(b.cwd) });
   return { method: "POST", path: sb(id, "/execute"), json: { ...json, ...extra },
-           timeout: (b.timeout ?? DEFAULT_EXEC_TIMEOUT) + MARGIN };
+           timeout: limit(b.timeout, DEFAULT_EXEC_TIMEOUT) };
 }
 
 export const writeFile = (id: string, path: string, body: Body, size?: number): Call => ({
@@ -152,7 +156,7 @@ export const runCode = (id: string, b: RunBody): Call => ({
   method: "POST", path: sb(id, "/run_code"),
   json: { code: b.code, language: b.language, stream: b.stream,
           ...defined({ context: b.context, timeout: b.timeout, env: b.env }) },
-  timeout: (b.timeout ?? DEFAULT_RUN_TIMEOUT) + MARGIN,
+  timeout: limit(b.timeout, DEFAULT_RUN_TIMEOUT),
 });
 export const createContext = (id: string, name?: string, cwd?: string, env?: Record<string, string>): Call =>
   ({ method: "POST", path: sb(id, "/contexts"), json: defined({ name, cwd, env }) });
@@ -189,7 +193,7 @@ export const signalCommand = (id: string, pid: number, signal: string | number):
   ({ method: "POST", path: pidPath(id, pid, "/signal"), json: { signal } });
 export const waitCommand = (id: string, pid: number, timeout: number): Call =>
   ({ method: "GET", path: pidPath(id, pid, "/wait"), params: { timeout: String(timeout) },
-     timeout: timeout + MARGIN });
+     timeout: limit(timeout, 30) });
 export const commandOutput = (id: string, pid: number, offset: number, follow: boolean): Call => ({
   method: "GET", path: pidPath(id, pid, "/output"),
   params: { offset: String(offset), ...(follow ? { follow: "1" } : {}) }, timeout: null,

@@ -25,6 +25,11 @@ export {
   type SandboxInfo, type SandboxState, type ServerInfo, type SessionView, type StartState,
   type Template,
 } from "./models.js";
+/** The API's JSON answers parsed into the models above (what the client does with them). */
+export {
+  parseContext, parseFileInfo, parsePreview, parseProcess, parseSandbox, parseServerInfo,
+  parseSessionView, parseTemplate,
+} from "./models.js";
 export { ExecutionBuilder, CommandOutput, type RunNotice } from "./streams.js";
 export { DEFAULT_TIMEOUT, DEFAULT_URL, type ClientOptions, type Event } from "./transport.js";
 export * from "./errors.js";

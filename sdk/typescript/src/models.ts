@@ -83,6 +83,8 @@ export function parseTemplate(data: unknown): Template {
 /** `GET /v1/info`: `previewUrlTemplate` holds `{port}` and `{id}`, `sessionUrlTemplate` `{name}`. */
 export interface ServerInfo {
   version: string | undefined;
+  previewDomain: string | undefined;
+  sessionDomain: string | undefined;
   previewUrlTemplate: string | undefined;
   sessionUrlTemplate: string | undefined;
   raw: Json;
@@ -92,6 +94,8 @@ export function parseServerInfo(data: unknown): ServerInfo {
   const d = typeof data === "object" && data !== null ? (data as Json) : {};
   return {
     version: strOrNull(d.version) ?? undefined,
+    previewDomain: strOrNull(d.preview_domain) ?? undefined,
+    sessionDomain: strOrNull(d.session_domain) ?? undefined,
     previewUrlTemplate: strOrNull(d.preview_url_template) ?? undefined,
     sessionUrlTemplate: strOrNull(d.session_url_template) ?? undefined, raw: d,
   };

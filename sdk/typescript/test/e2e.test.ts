@@ -285,7 +285,9 @@ describe("TypeScript SDK against a live daemon", { skip }, () => {
     await assert.rejects(bad.list(), (e: unknown) => e instanceof AuthenticationError && e.status === 401);
     await assert.rejects(box.create({ template: "no-such-template" }), TemplateNotFoundError);
     await assert.rejects(shared.execute({ command: "true", timeout: "soon" as unknown as number }),
-      (e: unknown) => e instanceof InvalidArgumentError && e.code === "invalid_type");
+      (e: unknown) => e instanceof InvalidArgumentError && e.status === 400);
+    await assert.rejects(box.create({ idleTimeout: -1 }),
+      (e: unknown) => e instanceof InvalidArgumentError && e.code === "bad_request");
     await assert.rejects(box.connect("nope"), SandboxNotFoundError);
   });
 
