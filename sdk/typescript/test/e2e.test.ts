@@ -90,6 +90,21 @@ describe("TypeScript SDK against a live daemon", { skip }, () => {
     assert.ok((await box.templates()).some((t) => t.name === "python"));
   });
 
+  test("await using kills a created sandbox at the end of the block, not a connected one", async () => {
+    let id = "";
+    {
+      await using sandbox = await box.create();
+      id = sandbox.id;
+      made.push(id);
+      {
+        await using connected = await box.connect(id);
+        assert.equal(connected.id, id);
+      }
+      assert.equal((await box.get(id)).state, "running");
+    }
+    await assert.rejects(box.get(id), SandboxNotFoundError);
+  });
+
   test("execute: code, commands with env and cwd, Python errors, timeouts", async () => {
     const err = await shared.execute("import sys; print('out'); print('err', file=sys.stderr); 1/0");
     assert.equal(err.stdout, "out\n");

@@ -99,6 +99,31 @@ describe("errors", () => {
     }
   });
 
+  test("every code in docs/api.md's error table is mapped, to a class of its status family", async (t) => {
+    const doc = new URL("../../../docs/api.md", import.meta.url);
+    let text: string;
+    try {
+      text = await readFile(doc, "utf8");
+    } catch {
+      return t.skip("docs/api.md is not here (the SDK outside its repository)");
+    }
+    const table = text.split("## Error codes")[1] ?? "";
+    let rows = 0;
+    for (const line of table.split("\n")) {
+      const row = /^\| (\d{3}) \| (.*?) \| /.exec(line);
+      if (!row) continue;
+      rows += 1;
+      const status = Number(row[1]);
+      for (const [, code] of row[2]!.matchAll(/`([a-z_]+)`/g)) {
+        assert.ok(ERROR_CODES.has(code!), `${code} (${status}) is not in ERROR_CODES`);
+        const err = errorFromResponse(status, JSON.stringify({ error: { code, message: "m" } }));
+        assert.equal(Math.floor(err.status / 100), Math.floor(status / 100));
+        assert.equal(err.code, code);
+      }
+    }
+    assert.ok(rows >= 10, `only ${rows} rows read from the table`);
+  });
+
   test("an unknown code falls back to its status family; a non-JSON body is kept", () => {
     const e = errorFromResponse(409, JSON.stringify({ error: { code: "brand_new", message: "m" } }));
     assert.ok(e instanceof ConflictError);
