@@ -134,7 +134,7 @@ export class Sandbox {
     const stream = Boolean(options.stream || options.onStdout || options.onStderr
       || options.onResult || options.onError);
     const call = this.runCall(code, options, stream);
-    if (!stream) return Execution.parse(await this._t.json(call));
+    if (!stream) return Execution.parse(await this._t.json(call, options.signal));
     const builder = new ExecutionBuilder();
     for await (const event of this._t.events(call, options.signal)) {
       await notify(options, builder.feed(event));

@@ -139,8 +139,8 @@ export class Transport {
   }
 
   /** The parsed JSON answer (undefined for 204 or an empty body). */
-  async json<T = unknown>(call: Call): Promise<T> {
-    const resp = await this.send(call);
+  async json<T = unknown>(call: Call, signal?: AbortSignal): Promise<T> {
+    const resp = await this.send(call, signal);
     const what = `${call.method} ${call.path}`;
     const text = await readText(resp, what);
     if (resp.status === 204 || !text) return undefined as T;
