@@ -18,6 +18,7 @@ export {
 } from "./commands.js";
 export { Files, type Progress, type TransferOptions, type WriteData } from "./files.js";
 export { Session, Sessions } from "./sessions.js";
+export { Terminal, type TerminalOptions } from "./terminal.js";
 export type { SessionSpec } from "./calls.js";
 export {
   CommandResult, ExecResult, Execution, ExecutionError, Result,

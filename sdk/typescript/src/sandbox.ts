@@ -19,6 +19,7 @@ import {
 } from "./models.js";
 import { ExecutionBuilder, type RunNotice } from "./streams.js";
 import type { Call, ClientOptions, Event, Transport } from "./transport.js";
+import { openTerminal, type Terminal, type TerminalOptions } from "./terminal.js";
 import { previewUrl, withToken, wsUrl } from "./urls.js";
 
 export interface ExecOptions {
@@ -226,6 +227,11 @@ export class Sandbox {
   /** The WebSocket URL of this sandbox's terminal (send `Authorization: Bearer <key>`). */
   terminalUrl(): string {
     return wsUrl(this._t.config.baseUrl, `/v1/sandboxes/${encodeURIComponent(this.id)}/terminal`);
+  }
+
+  /** An interactive terminal (a PTY running the login shell, or `cmd`); needs the `ws` package. */
+  terminal(options: TerminalOptions = {}): Promise<Terminal> {
+    return openTerminal(this.terminalUrl(), this._t.config.apiKey, options);
   }
 
   // -- lifecycle ----------------------------------------------------------------------------

@@ -196,6 +196,16 @@ describe("TypeScript SDK against a live daemon", { skip }, () => {
     assert.equal(await sleeper.kill(), false);
   });
 
+  test("terminal: keys in, output and exit code out", async () => {
+    let output = "";
+    const term = await shared.terminal({ cols: 100, rows: 30, onData: (d) => { output += Buffer.from(d).toString(); } });
+    term.resize(120, 40);
+    term.write("echo $((40+2)); stty size; exit 3\n");
+    assert.equal(await term.exited, 3);
+    assert.match(output, /42/);
+    assert.match(output, /40 120/);
+  });
+
   test("files: write, read, list, stat, exists, remove, makeDir, upload and download", async () => {
     const info = await shared.files.write("dir/a.txt", "héllo\n");
     assert.equal(info.path, "/root/dir/a.txt");

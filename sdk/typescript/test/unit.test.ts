@@ -297,6 +297,19 @@ describe("preview and sessions", () => {
   });
 });
 
+describe("terminal", () => {
+  test("a refused upgrade is the typed error of its answer; the key goes as a header", async () => {
+    fake.route("GET /v1/sandboxes/sb1/terminal", (_req, res) =>
+      json(res, 503, { error: { code: "sandbox_limit", message: "full" } }, { "Retry-After": "2" }));
+    await assert.rejects(sandbox.terminal({ cols: 100, rows: 30 }), (e: unknown) =>
+      e instanceof UnavailableError && e.code === "sandbox_limit" && e.retryAfter === 2);
+    const req = fake.seen.at(-1)!;
+    assert.equal(req.headers.authorization, "Bearer k1");
+    assert.equal(req.query.get("cols"), "100");
+    assert.equal(sandbox.terminalUrl(), `${fake.url.replace("http", "ws")}/v1/sandboxes/sb1/terminal`);
+  });
+});
+
 describe("tools", () => {
   test("OpenAI, Responses and Anthropic shapes carry the five tools", () => {
     assert.deepEqual(openaiTools().map((t) => t.function.name), [...TOOL_NAMES]);
