@@ -73,6 +73,7 @@ describe("TypeScript SDK against a live daemon", { skip }, () => {
     assert.equal(result.stdout, "1\n");
     assert.equal(result.exitCode, 0);
     assert.ok(result.ok);
+    await sandbox.kill();
   });
 
   test("create, connect, list, kill; a killed sandbox is SandboxNotFoundError", async () => {
@@ -270,6 +271,7 @@ describe("TypeScript SDK against a live daemon", { skip }, () => {
     assert.deepEqual((await sandbox.getPreview()).publicPorts, [8000]);
     await sandbox.update({ publicPorts: [] });
     assert.equal((await previewGet(host)).status, 401);
+    await sandbox.kill();
   });
 
   test("sessions: put (idempotent), get, list, sandbox(), delete", async () => {
@@ -303,6 +305,7 @@ describe("TypeScript SDK against a live daemon", { skip }, () => {
     assert.equal((await sandbox.resume()).state, "running");
     assert.equal((await sandbox.execute({ command: "echo up" })).stdout, "up\n");
     assert.ok((await sandbox.getInfo()).restoreCount >= 2);
+    await sandbox.kill();
   });
 
   test("typed errors from the server's codes", async () => {
