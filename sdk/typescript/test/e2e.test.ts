@@ -83,6 +83,8 @@ describe("TypeScript SDK against a live daemon", { skip }, () => {
     assert.deepEqual(sandbox.info.metadata, { who: "ts" });
     const again = await Sandbox.connect(sandbox.id, { apiKey: KEY, baseUrl: URL_ });
     assert.equal(again.id, sandbox.id);
+    assert.match(again.info.previewToken ?? "", /^pv_/); // the owner's view (get) carries it
+    assert.ok(again.info.previewUrlTemplate?.includes(sandbox.id));
     assert.ok((await box.list()).some((s) => s.id === sandbox.id));
     assert.ok(await sandbox.isRunning());
     assert.equal(await sandbox.kill(), true);
