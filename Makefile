@@ -73,3 +73,8 @@ lint: venv
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
+
+# The TypeScript SDK: npm dependencies from its lock file, then tsc (make test builds it too).
+.PHONY: sdk-ts
+sdk-ts:
+	cd sdk/typescript && npm ci --no-audit --no-fund && npm run build

@@ -1,0 +1,204 @@
+/**
+ * What each API operation sends, as data (no I/O): one function per endpoint. The classes
+ * build their requests here and send them through `transport.ts`.
+ */
+
+import { posix } from "node:path";
+
+import { InvalidArgumentError } from "./errors.js";
+import type { Body, Call } from "./transport.js";
+
+/** Relative sandbox paths are taken from here (the guest's $HOME and exec cwd). */
+export const HOME = "/root";
+/** Seconds added to a server-side limit for the HTTP exchange itself. */
+export const MARGIN = 90;
+export const DEFAULT_EXEC_TIMEOUT = 60;
+export const DEFAULT_RUN_TIMEOUT = 300;
+
+/** Our HTTP limit for a run the server limits to `timeout` seconds (a bad value: the server says so). */
+const limit = (timeout: unknown, fallback: number): number =>
+  (typeof timeout === "number" && Number.isFinite(timeout) && timeout >= 0 ? timeout : fallback) + MARGIN;
+
+/** An absolute guest path (relative ones are relative to /root). */
+export function sandboxPath(path: string): string {
+  if (typeof path !== "string" || !path) {
+    throw new InvalidArgumentError("a sandbox path is required", { code: "invalid_path" });
+  }
+  return path.startsWith("/") ? path : posix.join(HOME, path);
+}
+
+/** A guest path as a URL path (each segment percent-encoded, slashes kept). */
+function urlPath(path: string): string {
+  return sandboxPath(path).split("/").map(encodeURIComponent).join("/");
+}
+
+const sb = (id: string, rest = ""): string => `/v1/sandboxes/${encodeURIComponent(id)}${rest}`;
+const pidPath = (id: string, pid: number, rest = ""): string => sb(id, `/commands/${Math.trunc(pid)}${rest}`);
+
+/** The object without its undefined fields (the server applies its defaults to those). */
+export function defined(fields: Record<string, unknown>): Record<string, unknown> {
+  return Object.fromEntries(Object.entries(fields).filter(([, v]) => v !== undefined && v !== null));
+}
+
+function ports(value: unknown): number[] {
+  if (!Array.isArray(value) || !value.every((p) => Number.isInteger(p))) {
+    throw new InvalidArgumentError(`publicPorts must be an array of port numbers, not ${JSON.stringify(value)}`);
+  }
+  return [...value];
+}
+
+// -- sandboxes ------------------------------------------------------------------------------
+
+export const createSandbox = (template: string | undefined, idleTimeout: number | undefined,
+                              metadata: Record<string, unknown> | undefined): Call =>
+  ({ method: "POST", path: "/v1/sandboxes", json: defined({ template, idle_timeout: idleTimeout, metadata }) });
+export const listSandboxes = (): Call => ({ method: "GET", path: "/v1/sandboxes" });
+export const getSandbox = (id: string): Call => ({ method: "GET", path: sb(id) });
+export const deleteSandbox = (id: string): Call => ({ method: "DELETE", path: sb(id) });
+export const suspendSandbox = (id: string): Call => ({ method: "POST", path: sb(id, "/suspend") });
+export const resumeSandbox = (id: string): Call => ({ method: "POST", path: sb(id, "/resume") });
+export const templates = (): Call => ({ method: "GET", path: "/v1/templates" });
+export const serverInfo = (): Call => ({ method: "GET", path: "/v1/info" });
+
+export function updateSandbox(id: string, idleTimeout?: number, metadata?: Record<string, unknown>,
+                              publicPorts?: number[]): Call {
+  const json = defined({
+    idle_timeout: idleTimeout, metadata,
+    public_ports: publicPorts === undefined ? undefined : ports(publicPorts),
+  });
+  if (!Object.keys(json).length) {
+    throw new InvalidArgumentError("nothing to update: give idleTimeout, metadata and/or publicPorts");
+  }
+  return { method: "PATCH", path: sb(id), json };
+}
+
+// -- preview access and sessions ------------------------------------------------------------
+
+export const getPreview = (id: string): Call => ({ method: "GET", path: sb(id, "/preview") });
+export const setPublicPorts = (id: string, list: number[]): Call =>
+  ({ method: "PATCH", path: sb(id, "/preview"), json: { public_ports: ports(list) } });
+export const rotatePreviewToken = (id: string): Call => ({ method: "POST", path: sb(id, "/preview-token") });
+
+function session(name: string): string {
+  if (typeof name !== "string" || !name) {
+    throw new InvalidArgumentError("a session name is required", { code: "bad_session_name" });
+  }
+  return `/v1/sessions/${encodeURIComponent(name)}`;
+}
+
+export interface SessionSpec {
+  /** Default: the server's default template. */
+  template?: string | undefined;
+  /** The app's port (server default 8000). */
+  port?: number | undefined;
+  idleTimeout?: number | undefined;
+  /** Shell command run once, in the background, in the session's new sandbox. */
+  start?: string | undefined;
+  metadata?: Record<string, unknown> | undefined;
+}
+
+export const putSession = (name: string, spec: SessionSpec): Call => ({
+  method: "PUT", path: session(name),
+  json: defined({ template: spec.template, port: spec.port, idle_timeout: spec.idleTimeout,
+                  start: spec.start, metadata: spec.metadata }),
+});
+export const getSession = (name: string): Call => ({ method: "GET", path: session(name) });
+export const listSessions = (): Call => ({ method: "GET", path: "/v1/sessions" });
+export const deleteSession = (name: string): Call => ({ method: "DELETE", path: session(name) });
+
+// -- execute and files ------------------------------------------------------------------------
+
+export interface ExecBody {
+  code?: string | undefined;
+  command?: string | undefined;
+  language?: string | undefined;
+  timeout?: number | undefined;
+  env?: Record<string, string> | undefined;
+  cwd?: string | undefined;
+}
+
+export function execute(id: string, b: ExecBody): Call {
+  if ((b.code === undefined) === (b.command === undefined)) {
+    throw new InvalidArgumentError("give exactly one of code or command");
+  }
+  const json = b.code !== undefined
+    ? { code: b.code, language: b.language ?? "python" } : { command: b.command };
+  const extra = defined({ timeout: b.timeout, env: b.env,
+                          cwd: b.cwd === undefined ? undefined : sandboxPath(b.cwd) });
+  return { method: "POST", path: sb(id, "/execute"), json: { ...json, ...extra },
+           timeout: limit(b.timeout, DEFAULT_EXEC_TIMEOUT) };
+}
+
+export const writeFile = (id: string, path: string, body: Body, size?: number): Call => ({
+  method: "POST", path: sb(id, "/files"), params: { path: sandboxPath(path) }, body, timeout: null,
+  headers: { "Content-Type": "application/octet-stream",
+             ...(size === undefined ? {} : { "Content-Length": String(size) }) },
+});
+export const readFile = (id: string, path: string): Call =>
+  ({ method: "GET", path: sb(id, `/files${urlPath(path)}`), timeout: null });
+export const statFile = (id: string, path: string): Call =>
+  ({ method: "GET", path: sb(id, `/stat${urlPath(path)}`) });
+export const deleteFile = (id: string, path: string): Call =>
+  ({ method: "DELETE", path: sb(id, `/files${urlPath(path)}`) });
+
+// -- code interpreter -----------------------------------------------------------------------
+
+export interface RunBody {
+  code: string;
+  language: string;
+  context?: string | undefined;
+  timeout?: number | undefined;
+  env?: Record<string, string> | undefined;
+  stream: boolean;
+}
+
+export const runCode = (id: string, b: RunBody): Call => ({
+  method: "POST", path: sb(id, "/run_code"),
+  json: { code: b.code, language: b.language, stream: b.stream,
+          ...defined({ context: b.context, timeout: b.timeout, env: b.env }) },
+  timeout: limit(b.timeout, DEFAULT_RUN_TIMEOUT),
+});
+export const createContext = (id: string, name?: string, cwd?: string, env?: Record<string, string>): Call =>
+  ({ method: "POST", path: sb(id, "/contexts"), json: defined({ name, cwd, env }) });
+export const listContexts = (id: string): Call => ({ method: "GET", path: sb(id, "/contexts") });
+export const deleteContext = (id: string, name: string): Call =>
+  ({ method: "DELETE", path: sb(id, `/contexts/${encodeURIComponent(name)}`) });
+
+// -- commands -------------------------------------------------------------------------------
+
+export interface CommandBody {
+  command: string;
+  background: boolean;
+  env?: Record<string, string> | undefined;
+  cwd?: string | undefined;
+  stdin: boolean;
+  timeout?: number | undefined;
+}
+
+export const startCommand = (id: string, b: CommandBody): Call => ({
+  method: "POST", path: sb(id, "/commands"),
+  json: { command: b.command, background: b.background, stdin: b.stdin,
+          ...defined({ env: b.env, cwd: b.cwd === undefined ? undefined : sandboxPath(b.cwd),
+                       timeout: b.timeout }) },
+  // A silent foreground run may be long: no limit of ours on it.
+  timeout: b.background ? DEFAULT_EXEC_TIMEOUT : null,
+});
+export const listCommands = (id: string): Call => ({ method: "GET", path: sb(id, "/commands") });
+export const getCommand = (id: string, pid: number): Call => ({ method: "GET", path: pidPath(id, pid) });
+export const commandStdin = (id: string, pid: number, data: Uint8Array, eof: boolean): Call => ({
+  method: "POST", path: pidPath(id, pid, "/stdin"), body: data,
+  params: eof ? { eof: "1" } : undefined, headers: { "Content-Type": "application/octet-stream" },
+});
+export const signalCommand = (id: string, pid: number, signal: string | number): Call =>
+  ({ method: "POST", path: pidPath(id, pid, "/signal"), json: { signal } });
+export const waitCommand = (id: string, pid: number, timeout: number): Call =>
+  ({ method: "GET", path: pidPath(id, pid, "/wait"), params: { timeout: String(timeout) },
+     timeout: limit(timeout, 30) });
+export const commandOutput = (id: string, pid: number, offset: number, follow: boolean): Call => ({
+  method: "GET", path: pidPath(id, pid, "/output"),
+  params: { offset: String(offset), ...(follow ? { follow: "1" } : {}) }, timeout: null,
+});
+
+export function toBytes(data: string | Uint8Array): Uint8Array {
+  return typeof data === "string" ? new TextEncoder().encode(data) : data;
+}
