@@ -227,7 +227,7 @@ def test_preview_url(box, shared):
 
 def cli(env, *args: str, check: bool = True,
         input: str | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "agentbox.cli", *args], env=env,
+    proc = subprocess.run([sys.executable, "-m", "agentbox", *args], env=env,
                           capture_output=True, text=True, timeout=180, input=input)
     if check:
         assert proc.returncode == 0, (args, proc.stdout, proc.stderr)
@@ -270,7 +270,7 @@ def test_mcp_server_lists_tools_and_runs_code(env, box, tmp_path):
 
     before = {s.id for s in box.list()}
     params = mcp.StdioServerParameters(command=sys.executable,
-                                       args=["-m", "agentbox.cli", "mcp"], env=env)
+                                       args=["-m", "agentbox", "mcp"], env=env)
 
     async def session() -> tuple[list[str], str]:
         with open(tmp_path / "mcp-server.log", "w") as errlog:

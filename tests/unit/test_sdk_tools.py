@@ -171,7 +171,7 @@ async def test_mcp_server_over_stdio(srv, tmp_path):
 
     env = {**os.environ, "AGENTBOX_API_KEY": KEY, "AGENTBOX_URL": srv.url}
     params = mcp.StdioServerParameters(command=sys.executable,
-                                       args=["-m", "agentbox.cli", "mcp"], env=env)
+                                       args=["-m", "agentbox", "mcp"], env=env)
     with open(tmp_path / "mcp.log", "w") as errlog:
         async with stdio_client(params, errlog=errlog) as (read, write), \
                 mcp.ClientSession(read, write) as session:

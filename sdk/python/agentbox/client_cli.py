@@ -1,5 +1,5 @@
-"""Client commands of the ``agentbox`` CLI (``agentbox.cli`` adds them next to the
-server-side ``serve``/``keys``/``images``):
+"""Client commands of the ``agentbox`` CLI (``agentbox.cli``; the daemon's
+``serve``/``keys``/``images`` are ``agentbox-server``, on the server side):
 
     create, ls, info, exec, run, cp, shell, url, suspend, resume, rm, templates, mcp,
     session put|get|ls|rm (in ``agentbox._cli_sessions``)

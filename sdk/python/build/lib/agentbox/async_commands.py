@@ -1,0 +1,162 @@
+"""The async ``sandbox.commands`` (see ``agentbox.commands`` for the behaviour).
+Callbacks may be plain functions or coroutine functions."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any, Literal, overload
+
+from agentbox import _calls
+from agentbox._streams import CommandOutput, chunk_notice, maybe_await, notify
+from agentbox._transport import AsyncTransport
+from agentbox.commands import MAX_REATTACH, _cwd, _Deadline, _with_timeout, reattach_delay
+from agentbox.exceptions import APIConnectionError, ConflictError, StreamInterruptedError
+from agentbox.exceptions import TimeoutError as AgentBoxTimeout
+from agentbox.models import CommandResult, OutputChunk, ProcessInfo
+
+OutputCallback = Callable[[str], Any]
+
+
+class AsyncCommandHandle:
+    """A background command: ``async for chunk in handle``, ``await handle.wait()``."""
+
+    def __init__(self, sandbox_id: str, transport: AsyncTransport, pid: int, offset: int = 0,
+                 on_stdout: OutputCallback | None = None,
+                 on_stderr: OutputCallback | None = None) -> None:
+        self._id, self._t, self.pid = sandbox_id, transport, pid
+        self._out = CommandOutput(pid, offset)
+        self._callbacks = {"stdout": on_stdout, "stderr": on_stderr}
+
+    def __repr__(self) -> str:
+        state = "exited" if self._out.done else "following"
+        return f"<AsyncCommandHandle pid={self.pid} {state} offset={self._out.offset}>"
+
+    @property
+    def offset(self) -> int:
+        return self._out.offset
+
+    @property
+    def exit_code(self) -> int | None:
+        return self._out.exit_code
+
+    @property
+    def stdout(self) -> str:
+        return self._out.stdout
+
+    @property
+    def stderr(self) -> str:
+        return self._out.stderr
+
+    def __aiter__(self) -> AsyncIterator[OutputChunk]:
+        return self._follow(None)
+
+    async def _follow(self, timeout: float | None) -> AsyncGenerator[OutputChunk, None]:
+        deadline, attempt = _Deadline(timeout), 0
+        while not self._out.done:
+            call = _calls.command_output(self._id, self.pid, self._out.offset, follow=True)
+            if deadline.end is not None:
+                call = _with_timeout(call, deadline.remaining())
+            try:
+                async with contextlib.aclosing(self._t.events(call)) as events:
+                    async for event in events:
+                        chunk = self._out.feed(event)
+                        if deadline.end is not None:
+                            deadline.remaining()  # raises once the wait timed out
+                        if chunk is not None:
+                            attempt = 0
+                            await maybe_await(notify(self._callbacks, chunk_notice(chunk)))
+                            yield chunk
+            except AgentBoxTimeout:
+                deadline.remaining()
+                raise
+            except APIConnectionError:
+                pass
+            if not self._out.done:
+                attempt += 1
+                delay = reattach_delay(attempt)
+                if delay is None:
+                    raise StreamInterruptedError(
+                        f"lost command {self.pid}'s output {MAX_REATTACH} times; reattach "
+                        f"with commands.connect({self.pid}, offset={self._out.offset})")
+                await asyncio.sleep(delay)
+
+    async def wait(self, timeout: float | None = None, *,
+                   on_stdout: OutputCallback | None = None,
+                   on_stderr: OutputCallback | None = None) -> CommandResult:
+        if on_stdout or on_stderr:
+            self._callbacks = {"stdout": on_stdout, "stderr": on_stderr}
+        async with contextlib.aclosing(self._follow(timeout)) as chunks:
+            async for _ in chunks:
+                pass
+        return self._out.result()
+
+    async def kill(self, signal: str | int = "SIGKILL") -> bool:
+        try:
+            await self._t.send(_calls.signal_command(self._id, self.pid, signal))
+        except ConflictError:
+            return False
+        return True
+
+    async def send_stdin(self, data: str | bytes, eof: bool = False) -> None:
+        await self._t.send(_calls.command_stdin(self._id, self.pid, _calls.to_bytes(data), eof))
+
+    async def close_stdin(self) -> None:
+        await self.send_stdin(b"", eof=True)
+
+    async def info(self) -> ProcessInfo:
+        return ProcessInfo.from_dict(await self._t.json(_calls.get_command(self._id, self.pid)))
+
+
+class AsyncCommands:
+    def __init__(self, sandbox_id: str, transport: AsyncTransport) -> None:
+        self._id, self._t = sandbox_id, transport
+
+    @overload
+    async def run(self, cmd: str, background: Literal[False] = False, *,
+                  env: dict[str, str] | None = None, cwd: str | None = None,
+                  on_stdout: OutputCallback | None = None,
+                  on_stderr: OutputCallback | None = None,
+                  timeout: float | None = None, stdin: bool = False) -> CommandResult: ...
+
+    @overload
+    async def run(self, cmd: str, background: Literal[True], *,
+                  env: dict[str, str] | None = None, cwd: str | None = None,
+                  on_stdout: OutputCallback | None = None,
+                  on_stderr: OutputCallback | None = None,
+                  timeout: float | None = None, stdin: bool = False) -> AsyncCommandHandle: ...
+
+    async def run(self, cmd: str, background: bool = False, *,
+                  env: dict[str, str] | None = None, cwd: str | None = None,
+                  on_stdout: OutputCallback | None = None,
+                  on_stderr: OutputCallback | None = None, timeout: float | None = None,
+                  stdin: bool = False) -> CommandResult | AsyncCommandHandle:
+        call = _calls.start_command(self._id, cmd, background, env, _cwd(cwd), stdin, timeout)
+        if background:
+            info = ProcessInfo.from_dict(await self._t.json(call))
+            return AsyncCommandHandle(self._id, self._t, info.pid, 0, on_stdout, on_stderr)
+        out, callbacks = CommandOutput(), {"stdout": on_stdout, "stderr": on_stderr}
+        async with contextlib.aclosing(self._t.events(call)) as events:
+            async for event in events:
+                await maybe_await(notify(callbacks, chunk_notice(out.feed(event))))
+        return out.result()
+
+    async def list(self) -> list[ProcessInfo]:
+        data = await self._t.json(_calls.list_commands(self._id))
+        return [ProcessInfo.from_dict(c) for c in data.get("commands", [])]
+
+    async def get(self, pid: int) -> ProcessInfo:
+        return ProcessInfo.from_dict(await self._t.json(_calls.get_command(self._id, pid)))
+
+    async def kill(self, pid: int, signal: str | int = "SIGKILL") -> bool:
+        return await AsyncCommandHandle(self._id, self._t, pid).kill(signal)
+
+    async def send_stdin(self, pid: int, data: str | bytes, eof: bool = False) -> None:
+        await AsyncCommandHandle(self._id, self._t, pid).send_stdin(data, eof)
+
+    async def connect(self, pid: int, offset: int = 0, *,
+                      on_stdout: OutputCallback | None = None,
+                      on_stderr: OutputCallback | None = None) -> AsyncCommandHandle:
+        await self.get(pid)
+        return AsyncCommandHandle(self._id, self._t, pid, offset, on_stdout, on_stderr)

@@ -1,0 +1,233 @@
+"""``AsyncSandbox``: the asyncio twin of :class:`agentbox.Sandbox` (same methods,
+awaited; ``async with`` kills on exit unless ``keep=True`` or connected).
+Callbacks may be plain functions or coroutine functions."""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agentbox import _calls, _common
+from agentbox._streams import ExecutionBuilder, maybe_await, notify
+from agentbox.async_commands import AsyncCommands
+from agentbox.exceptions import AgentBoxError, SandboxNotFoundError
+from agentbox.files import AsyncFiles
+from agentbox.models import (
+    CodeContext,
+    Execution,
+    ExecResult,
+    FileInfo,
+    PreviewAccess,
+    SandboxInfo,
+)
+
+if TYPE_CHECKING:
+    from agentbox.client import AsyncAgentBox
+
+Callback = Callable[[Any], Any]
+
+
+class AsyncSandbox:
+    def __init__(self, client: AsyncAgentBox, info: SandboxInfo, *, owns_client: bool = False,
+                 keep: bool = False, connected: bool = False) -> None:
+        self._client, self._t = client, client._transport
+        self.info = info
+        self._owns_client, self._keep = owns_client, keep or connected
+        self.files = AsyncFiles(info.id, self._t)
+        self.commands = AsyncCommands(info.id, self._t)
+
+    def __repr__(self) -> str:
+        return f"<AsyncSandbox {self.id} {self.info.state} template={self.info.template}>"
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    sandbox_id = id
+
+    @property
+    def state(self) -> str:
+        return self.info.state
+
+    @classmethod
+    async def create(cls, template: str | None = _common.DEFAULT_TEMPLATE, *,
+                     environment: str | None = None, idle_timeout: float | None = None,
+                     metadata: dict[str, Any] | None = None, keep: bool = False,
+                     api_key: str | None = None, base_url: str | None = None,
+                     timeout: float | None = None) -> AsyncSandbox:
+        from agentbox.client import AsyncAgentBox
+
+        client = AsyncAgentBox(api_key=api_key, base_url=base_url, timeout=timeout)
+        try:
+            sandbox = await client.create(template, environment=environment,
+                                          idle_timeout=idle_timeout, metadata=metadata,
+                                          keep=keep)
+        except BaseException:
+            await client.aclose()
+            raise
+        sandbox._owns_client = True
+        return sandbox
+
+    @classmethod
+    async def connect(cls, sandbox_id: str, *, api_key: str | None = None,
+                      base_url: str | None = None,
+                      timeout: float | None = None) -> AsyncSandbox:
+        from agentbox.client import AsyncAgentBox
+
+        client = AsyncAgentBox(api_key=api_key, base_url=base_url, timeout=timeout)
+        try:
+            sandbox = await client.connect(sandbox_id)
+        except BaseException:
+            await client.aclose()
+            raise
+        sandbox._owns_client = True
+        return sandbox
+
+    @classmethod
+    async def list(cls, *, api_key: str | None = None,
+                   base_url: str | None = None) -> list[SandboxInfo]:
+        from agentbox.client import AsyncAgentBox
+
+        async with AsyncAgentBox(api_key=api_key, base_url=base_url) as client:
+            return await client.list()
+
+    # -- running code ----------------------------------------------------------------------------
+
+    async def execute(self, code: str | None = None, *, command: str | None = None,
+                      language: str | None = None, timeout: float | None = None,
+                      env: dict[str, str] | None = None, cwd: str | None = None) -> ExecResult:
+        language = language or ("python" if code is not None else None)
+        call = _calls.execute(self.id, code, command, language, timeout, env,
+                              None if cwd is None else _calls.sandbox_path(cwd))
+        return ExecResult.from_dict(await self._t.json(call), language=language)
+
+    async def run_code(self, code: str, language: str = "python",
+                       context: str | CodeContext | None = None, *,
+                       on_stdout: Callback | None = None, on_stderr: Callback | None = None,
+                       on_result: Callback | None = None, on_error: Callback | None = None,
+                       timeout: float | None = None,
+                       env: dict[str, str] | None = None) -> Execution:
+        callbacks = _common.run_callbacks(on_stdout, on_stderr, on_result, on_error)
+        stream = any(callbacks.values())
+        call = _calls.run_code(self.id, code, language, _common.context_name(context), timeout,
+                               env, stream)
+        if not stream:
+            return Execution.from_dict(await self._t.json(call))
+        builder = ExecutionBuilder()
+        async with contextlib.aclosing(self._t.events(call)) as events:
+            async for event in events:
+                await maybe_await(notify(callbacks, builder.feed(event)))
+        return builder.finish()
+
+    async def create_code_context(self, name: str | None = None, *, cwd: str | None = None,
+                                  env: dict[str, str] | None = None) -> CodeContext:
+        call = _calls.create_context(self.id, name, cwd, env)
+        return CodeContext.from_dict(await self._t.json(call))
+
+    async def list_code_contexts(self) -> builtins.list[CodeContext]:
+        data = await self._t.json(_calls.list_contexts(self.id))
+        return [CodeContext.from_dict(c) for c in data.get("contexts", [])]
+
+    async def remove_code_context(self, context: str | CodeContext) -> None:
+        await self._t.send(_calls.delete_context(self.id, _common.context_name(context) or ""))
+
+    # -- files -----------------------------------------------------------------------------------
+
+    async def upload(self, path: str, data: Any, *,
+                     on_progress: Callable[[int, int | None], Any] | None = None) -> FileInfo:
+        return await self.files.write(path, data, on_progress=on_progress)
+
+    async def download(self, path: str, dest: str | Path | None = None, *,
+                       on_progress: Callable[[int, int | None], Any] | None = None) -> Any:
+        if dest is None:
+            return await self.files.read(path, format="bytes")
+        return await self.files.download(path, dest, on_progress=on_progress)
+
+    # -- addressing ------------------------------------------------------------------------------
+
+    async def get_url(self, port: int, with_token: bool = False) -> str:
+        url = _common.preview_url(await self._client.server_info(),
+                                  self._t.config.base_url, self.id, port)
+        return _common.with_token(url, await self.preview_token) if with_token else url
+
+    # -- preview access --------------------------------------------------------------------------
+
+    async def get_preview(self) -> PreviewAccess:
+        return PreviewAccess.from_dict(await self._t.json(_calls.get_preview(self.id)))
+
+    @property
+    async def preview_token(self) -> str:
+        """``await sandbox.preview_token`` (fetched on each access)."""
+        return (await self.get_preview()).preview_token
+
+    async def rotate_preview_token(self) -> str:
+        data = await self._t.json(_calls.rotate_preview_token(self.id))
+        return PreviewAccess.from_dict(data).preview_token
+
+    async def set_public_ports(self, ports: builtins.list[int]) -> PreviewAccess:
+        data = await self._t.json(_calls.set_public_ports(self.id, ports))
+        return PreviewAccess.from_dict(data)
+
+    async def get_host(self, port: int) -> str:
+        return _common.host_of(await self.get_url(port))
+
+    def terminal_url(self) -> str:
+        return _common.ws_url(self._t.config.base_url, _calls.terminal_path(self.id))
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def get_info(self) -> SandboxInfo:
+        self.info = SandboxInfo.from_dict(await self._t.json(_calls.get_sandbox(self.id)))
+        return self.info
+
+    async def is_running(self) -> bool:
+        return (await self.get_info()).state == "running"
+
+    async def suspend(self) -> SandboxInfo:
+        self.info = SandboxInfo.from_dict(await self._t.json(_calls.suspend_sandbox(self.id)))
+        return self.info
+
+    pause = suspend
+
+    async def resume(self) -> SandboxInfo:
+        self.info = SandboxInfo.from_dict(await self._t.json(_calls.resume_sandbox(self.id)))
+        return self.info
+
+    async def set_idle_timeout(self, seconds: float) -> SandboxInfo:
+        return await self.update(idle_timeout=seconds)
+
+    async def update(self, *, idle_timeout: float | None = None,
+                     metadata: dict[str, Any] | None = None,
+                     public_ports: builtins.list[int] | None = None) -> SandboxInfo:
+        call = _calls.update_sandbox(self.id, idle_timeout, metadata, public_ports)
+        self.info = SandboxInfo.from_dict(await self._t.json(call))
+        return self.info
+
+    async def kill(self) -> bool:
+        try:
+            await self._t.send(_calls.delete_sandbox(self.id))
+        except SandboxNotFoundError:
+            return False
+        return True
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+    close = aclose
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            if not self._keep:
+                await self.kill()
+        except AgentBoxError:
+            if not _common.suppress_on_unwind(exc_type):
+                raise
+        finally:
+            await self.aclose()

@@ -1,0 +1,259 @@
+"""``Sandbox``: one microVM sandbox, used synchronously.
+
+Made by :meth:`Sandbox.create` / :meth:`AgentBox.create` (a new sandbox) or
+:meth:`Sandbox.connect` (an existing one). As a context manager it kills the
+sandbox on exit, unless it was created with ``keep=True`` or connected to.
+A sandbox that went to sleep (suspended when idle) needs no special call: the
+server wakes it for the next request.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agentbox import _calls, _common
+from agentbox._streams import ExecutionBuilder, notify
+from agentbox.commands import Commands
+from agentbox.exceptions import AgentBoxError, SandboxNotFoundError
+from agentbox.files import Files
+from agentbox.models import (
+    CodeContext,
+    Execution,
+    ExecResult,
+    FileInfo,
+    PreviewAccess,
+    SandboxInfo,
+)
+
+if TYPE_CHECKING:
+    from agentbox.client import AgentBox
+
+Callback = Callable[[Any], Any]
+
+
+class Sandbox:
+    def __init__(self, client: AgentBox, info: SandboxInfo, *, owns_client: bool = False,
+                 keep: bool = False, connected: bool = False) -> None:
+        self._client, self._t = client, client._transport
+        self.info = info
+        self._owns_client, self._keep = owns_client, keep or connected
+        self.files = Files(info.id, self._t)
+        self.commands = Commands(info.id, self._t)
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.id} {self.info.state} template={self.info.template}>"
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    sandbox_id = id
+
+    @property
+    def state(self) -> str:
+        """The state when last fetched (``get_info()`` refreshes it)."""
+        return self.info.state
+
+    # -- making one ------------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, template: str | None = _common.DEFAULT_TEMPLATE, *,
+               environment: str | None = None, idle_timeout: float | None = None,
+               metadata: dict[str, Any] | None = None, keep: bool = False,
+               api_key: str | None = None, base_url: str | None = None,
+               timeout: float | None = None) -> Sandbox:
+        """Create a sandbox from ``template`` (alias ``environment``). ``idle_timeout``:
+        seconds without activity before it is suspended (0 = never; None = the server's
+        default). ``keep=True``: leaving a ``with`` block does not kill it."""
+        from agentbox.client import AgentBox
+
+        client = AgentBox(api_key=api_key, base_url=base_url, timeout=timeout)
+        try:
+            sandbox = client.create(template, environment=environment, idle_timeout=idle_timeout,
+                                    metadata=metadata, keep=keep)
+        except BaseException:
+            client.close()
+            raise
+        sandbox._owns_client = True
+        return sandbox
+
+    @classmethod
+    def connect(cls, sandbox_id: str, *, api_key: str | None = None,
+                base_url: str | None = None, timeout: float | None = None) -> Sandbox:
+        """Attach to an existing sandbox (never killed by leaving a ``with`` block)."""
+        from agentbox.client import AgentBox
+
+        client = AgentBox(api_key=api_key, base_url=base_url, timeout=timeout)
+        try:
+            sandbox = client.connect(sandbox_id)
+        except BaseException:
+            client.close()
+            raise
+        sandbox._owns_client = True
+        return sandbox
+
+    @classmethod
+    def list(cls, *, api_key: str | None = None, base_url: str | None = None) -> list[SandboxInfo]:
+        from agentbox.client import AgentBox
+
+        with AgentBox(api_key=api_key, base_url=base_url) as client:
+            return client.list()
+
+    # -- running code ----------------------------------------------------------------------------
+
+    def execute(self, code: str | None = None, *, command: str | None = None,
+                language: str | None = None, timeout: float | None = None,
+                env: dict[str, str] | None = None, cwd: str | None = None) -> ExecResult:
+        """Run ``code`` (Python unless ``language`` is "bash"/"sh") or a shell ``command``
+        in a fresh process, and wait for it. ``timeout`` (seconds, default 60) kills it."""
+        language = language or ("python" if code is not None else None)
+        call = _calls.execute(self.id, code, command, language, timeout, env,
+                              None if cwd is None else _calls.sandbox_path(cwd))
+        return ExecResult.from_dict(self._t.json(call), language=language)
+
+    def run_code(self, code: str, language: str = "python",
+                 context: str | CodeContext | None = None, *,
+                 on_stdout: Callback | None = None, on_stderr: Callback | None = None,
+                 on_result: Callback | None = None, on_error: Callback | None = None,
+                 timeout: float | None = None, env: dict[str, str] | None = None) -> Execution:
+        """Run ``code`` in a stateful interpreter context (variables and imports persist
+        between runs; ``context`` None = the default one). Returns its :class:`Execution`
+        (stdout, stderr, rich ``results`` such as charts, and ``error``). With callbacks,
+        output is streamed to them as it happens."""
+        callbacks = _common.run_callbacks(on_stdout, on_stderr, on_result, on_error)
+        stream = any(callbacks.values())
+        call = _calls.run_code(self.id, code, language, _common.context_name(context), timeout,
+                               env, stream)
+        if not stream:
+            return Execution.from_dict(self._t.json(call))
+        builder = ExecutionBuilder()
+        for event in self._t.events(call):
+            notify(callbacks, builder.feed(event))
+        return builder.finish()
+
+    def create_code_context(self, name: str | None = None, *, cwd: str | None = None,
+                            env: dict[str, str] | None = None) -> CodeContext:
+        call = _calls.create_context(self.id, name, cwd, env)
+        return CodeContext.from_dict(self._t.json(call))
+
+    def list_code_contexts(self) -> builtins.list[CodeContext]:
+        data = self._t.json(_calls.list_contexts(self.id))
+        return [CodeContext.from_dict(c) for c in data.get("contexts", [])]
+
+    def remove_code_context(self, context: str | CodeContext) -> None:
+        self._t.send(_calls.delete_context(self.id, _common.context_name(context) or ""))
+
+    # -- files -----------------------------------------------------------------------------------
+
+    def upload(self, path: str, data: Any, *,
+               on_progress: Callable[[int, int | None], Any] | None = None) -> FileInfo:
+        """Write ``data`` (str, bytes, an open binary file, a local ``Path``, or an iterable
+        of bytes) to ``path`` in the sandbox, streamed."""
+        return self.files.write(path, data, on_progress=on_progress)
+
+    def download(self, path: str, dest: str | Path | None = None, *,
+                 on_progress: Callable[[int, int | None], Any] | None = None) -> Any:
+        """The file's bytes; or, with ``dest``, stream it into that local file and return
+        its ``Path``."""
+        if dest is None:
+            return self.files.read(path, format="bytes")
+        return self.files.download(path, dest, on_progress=on_progress)
+
+    # -- addressing ------------------------------------------------------------------------------
+
+    def get_url(self, port: int, with_token: bool = False) -> str:
+        """The URL where the gateway serves ``port`` of this sandbox (waking it if needed).
+        Ports are private unless made public: ``with_token=True`` appends ``?token=``, which
+        a browser trades for a cookie on its first visit (programs can instead send the
+        header ``X-AgentBox-Token: {preview_token}``)."""
+        url = _common.preview_url(self._client.server_info(), self._t.config.base_url,
+                                  self.id, port)
+        return _common.with_token(url, self.preview_token) if with_token else url
+
+    # -- preview access --------------------------------------------------------------------------
+
+    def get_preview(self) -> PreviewAccess:
+        """The preview token and public ports (``GET .../preview``)."""
+        return PreviewAccess.from_dict(self._t.json(_calls.get_preview(self.id)))
+
+    @property
+    def preview_token(self) -> str:
+        """The token that opens this sandbox's private ports (fetched on each access)."""
+        return self.get_preview().preview_token
+
+    def rotate_preview_token(self) -> str:
+        """A new preview token; the old one, and links and cookies made with it, stop working."""
+        data = self._t.json(_calls.rotate_preview_token(self.id))
+        return PreviewAccess.from_dict(data).preview_token
+
+    def set_public_ports(self, ports: builtins.list[int]) -> PreviewAccess:
+        """Serve these ports without a token (replaces the list; ``[]`` = all private)."""
+        return PreviewAccess.from_dict(self._t.json(_calls.set_public_ports(self.id, ports)))
+
+    def get_host(self, port: int) -> str:
+        """``{port}-{id}.{domain}`` (host and port of :meth:`get_url`, without scheme)."""
+        return _common.host_of(self.get_url(port))
+
+    def terminal_url(self) -> str:
+        """The WebSocket URL of this sandbox's terminal."""
+        return _common.ws_url(self._t.config.base_url, _calls.terminal_path(self.id))
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def get_info(self) -> SandboxInfo:
+        self.info = SandboxInfo.from_dict(self._t.json(_calls.get_sandbox(self.id)))
+        return self.info
+
+    def is_running(self) -> bool:
+        return self.get_info().state == "running"
+
+    def suspend(self) -> SandboxInfo:
+        """Snapshot the sandbox to disk and stop its VM (it costs no RAM until resumed)."""
+        self.info = SandboxInfo.from_dict(self._t.json(_calls.suspend_sandbox(self.id)))
+        return self.info
+
+    pause = suspend
+
+    def resume(self) -> SandboxInfo:
+        self.info = SandboxInfo.from_dict(self._t.json(_calls.resume_sandbox(self.id)))
+        return self.info
+
+    def set_idle_timeout(self, seconds: float) -> SandboxInfo:
+        """Suspend after this many idle seconds (0 = never)."""
+        return self.update(idle_timeout=seconds)
+
+    def update(self, *, idle_timeout: float | None = None,
+               metadata: dict[str, Any] | None = None,
+               public_ports: builtins.list[int] | None = None) -> SandboxInfo:
+        call = _calls.update_sandbox(self.id, idle_timeout, metadata, public_ports)
+        self.info = SandboxInfo.from_dict(self._t.json(call))
+        return self.info
+
+    def kill(self) -> bool:
+        """Destroy the sandbox; False if it was already gone."""
+        try:
+            self._t.send(_calls.delete_sandbox(self.id))
+        except SandboxNotFoundError:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Release the HTTP connections (when this sandbox made its own client)."""
+        if self._owns_client:
+            self._client.close()
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            if not self._keep:
+                self.kill()
+        except AgentBoxError:
+            if not _common.suppress_on_unwind(exc_type):
+                raise
+        finally:
+            self.close()
