@@ -20,7 +20,7 @@ venv: $(VENV)/.installed
 
 # Two distributions: the server (this directory, `agentbox-server`) and the Python SDK with the
 # client CLI (sdk/python, `agentbox`), with every extra the test suite exercises.
-SDK_EXTRAS := mcp,langchain,crewai
+SDK_EXTRAS := mcp,langchain,crewai,shell
 $(VENV)/.installed: pyproject.toml sdk/python/pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip

@@ -36,7 +36,7 @@ def test_sdk_declares_httpx_only_and_ships_only_agentbox():
     project = tomllib.loads((SDK / "pyproject.toml").read_text())["project"]
     assert project["name"] == "agentbox"
     assert [d.split(">")[0] for d in project["dependencies"]] == ["httpx"]
-    assert set(project["optional-dependencies"]) == {"mcp", "langchain", "crewai"}
+    assert set(project["optional-dependencies"]) == {"mcp", "langchain", "crewai", "shell"}
     assert project["scripts"] == {"agentbox": "agentbox.cli:main"}
     assert not (SDK / "gateway").exists() and (SDK / "agentbox" / "__main__.py").exists()
 

@@ -61,7 +61,11 @@ async def run_terminal(url: str, api_key: str, stdin_fd: int | None = None,
                        stdout: Any = None) -> int:
     """Connect stdin/stdout to the sandbox terminal at ``url`` (ws:// or wss://);
     returns the remote shell's exit code (0 if the server did not say)."""
-    import aiohttp
+    try:
+        import aiohttp  # a WebSocket client; httpx has none
+    except ImportError as exc:
+        raise ImportError("`agentbox shell` needs aiohttp (its WebSocket client): "
+                          "pip install 'agentbox[shell]'") from exc
 
     stdin_fd = sys.stdin.fileno() if stdin_fd is None else stdin_fd
     out = stdout if stdout is not None else sys.stdout.buffer
