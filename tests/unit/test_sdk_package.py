@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import subprocess
 import tomllib
 import venv
@@ -85,7 +86,10 @@ def test_fresh_venv_installs_the_sdk_without_the_server(tmp_path):
     venv.create(tmp_path / "venv", with_pip=True)
     py = tmp_path / "venv" / "bin" / "python"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    subprocess.run([py, "-m", "pip", "install", "-q", str(SDK)], check=True, env=env,
+    # from a copy: pip builds a local directory in place (build/, *.egg-info)
+    src = shutil.copytree(SDK, tmp_path / "src", ignore=shutil.ignore_patterns(
+        "build", "*.egg-info", "__pycache__"))
+    subprocess.run([py, "-m", "pip", "install", "-q", str(src)], check=True, env=env,
                    cwd=tmp_path, timeout=300, capture_output=True)
     probe = subprocess.run([py, "-c", _PROBE], check=True, env=env, cwd=tmp_path,
                            capture_output=True, text=True, timeout=120)
