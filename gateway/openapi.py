@@ -21,6 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.api import json_response
+from gateway.errors import ERROR_CODES
 from gateway.lifecycle import State
 from gateway.middleware import PUBLIC_PATHS
 from guest import protocol as p
@@ -117,16 +118,25 @@ def _gateway_schemas() -> dict[str, Any]:
         "execution_count": _INT, "duration_ms": _NUM}, ("type",),
         description="one NDJSON line of a streamed run_code")
     return {
-        "Error": _obj({"error": _obj({"code": _STR, "message": _STR}, ("code", "message"))},
-                      ("error",)),
+        "Error": _obj({"error": _obj({"code": _ref("ErrorCode"), "message": _STR},
+                                     ("code", "message"))}, ("error",)),
+        "ErrorCode": {"type": "string", "enum": sorted(ERROR_CODES),
+                      "description": "every code an error answer can carry (the server's "
+                                     "registry, gateway.errors.ERROR_CODES); "
+                                     "x-descriptions says what each means",
+                      "x-descriptions": dict(sorted(ERROR_CODES.items()))},
         "Sandbox": sandbox,
         "SandboxList": _list_of("sandboxes", "Sandbox"),
         "CreateSandboxRequest": _obj({
             "template": {"type": "string", "description": "default: the server's default"},
             "environment": {"type": "string", "description": "alias of template"},
             "metadata": _METADATA, "idle_timeout": _IDLE}, additionalProperties=False),
-        "UpdateSandboxRequest": _obj({"metadata": _METADATA, "idle_timeout": _IDLE},
-                                     additionalProperties=False),
+        "UpdateSandboxRequest": _obj({
+            "metadata": _METADATA, "idle_timeout": _IDLE,
+            "public_ports": {"type": "array", "items": _INT,
+                             "description": "ports served without the preview token "
+                                            "(replaces the list)"}},
+            additionalProperties=False),
         "Template": _obj({"name": _STR, "mem_mib": _INT, "default": _BOOL}, ("name",)),
         "TemplateList": _list_of("templates", "Template"),
         "Health": _obj({"status": _STR, "vmm": _STR, "accel": _STR, "accel_reason": _STR,
