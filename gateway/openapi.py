@@ -105,7 +105,10 @@ def _gateway_schemas() -> dict[str, Any]:
         "template": _STR, "metadata": _METADATA, "idle_timeout": _NNUM,
         "created_at": _NUM, "updated_at": _NUM, "last_activity": _NUM,
         "suspend_count": _INT, "restore_count": _INT, "last_suspend_ms": _NNUM,
-        "last_restore_ms": _NNUM, "failure": _NSTR},
+        "last_restore_ms": _NNUM, "failure": _NSTR,
+        # the owner's view (create, get, update; not list): gateway.preview_auth.preview_view
+        "preview_token": _STR, "public_ports": {"type": "array", "items": _INT},
+        "preview_url_template": _STR},
         ("id", "state", "template", "metadata", "created_at"))
     output_event = _obj({
         "type": {"type": "string", "enum": ["start", "stdout", "stderr", "dropped", "exit"]},
@@ -166,7 +169,7 @@ def _gateway_schemas() -> dict[str, Any]:
                                                        "failed"]},
             "start_pid": {"type": ["integer", "null"]}, "start_error": _NSTR,
             "metadata": _METADATA, "created_at": _NUM, "url": _STR, "proxy_path": _STR,
-            "preview_token": _NSTR}, ("name", "state", "port", "url")),
+            "preview_token": _NSTR}, ("name", "sandbox_id", "state", "port", "url")),
         "SessionList": _list_of("sessions", "Session"),
         **_key_schemas(),
         "Result": _obj({"is_main_result": _BOOL, "text/plain": _STR, "text/html": _STR,
