@@ -19,6 +19,7 @@ import jsonschema
 from gateway import openapi
 
 JSON = "application/json"
+NDJSON = "application/x-ndjson"
 
 
 def _close(schema: Any) -> None:
@@ -48,28 +49,37 @@ def _resolve(doc: dict[str, Any], obj: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
-def response_schema(method: str, path: str, status: int) -> dict[str, Any] | None:
-    """The JSON schema of ``method path`` answering ``status`` (``path`` as in the document,
-    e.g. ``/v1/sandboxes/{id}``); None when the answer has no JSON body."""
+def response_content(method: str, path: str, status: int) -> dict[str, Any]:
+    """The documented content of ``method path`` answering ``status`` (``path`` as in the
+    document, e.g. ``/v1/sandboxes/{id}``): media type -> schema ({} for no body)."""
     doc = strict_document()
     op = doc["paths"][path][method.lower()]
-    responses = op["responses"]
-    resp = responses.get(str(status)) or responses.get(f"{str(status)[0]}XX") \
-        or responses.get("default")
+    resp = op["responses"].get(str(status))
     assert resp is not None, f"{method} {path}: status {status} is not documented"
-    content = _resolve(doc, resp).get("content", {})
-    return content[JSON]["schema"] if JSON in content else None
+    return {media: c["schema"] for media, c in _resolve(doc, resp).get("content", {}).items()}
 
 
-def check_answer(method: str, path: str, status: int, body: Any) -> None:
-    """Fail (AssertionError) unless ``body`` is what the document says ``method path``
-    answers with ``status``."""
-    schema = response_schema(method, path, status)
-    if schema is None:
-        assert body in (None, b"", ""), f"{method} {path} {status}: a body the spec lacks"
-        return
+def validate(schema: dict[str, Any], value: Any, what: str) -> None:
     doc = strict_document()
     validator = jsonschema.Draft202012Validator({**schema, "components": doc["components"]})
-    errors = sorted(validator.iter_errors(body), key=lambda e: list(e.absolute_path))
-    assert not errors, f"{method} {path} {status}: " + "; ".join(
+    errors = sorted(validator.iter_errors(value), key=lambda e: list(e.absolute_path))
+    assert not errors, f"{what}: " + "; ".join(
         f"{'/'.join(map(str, e.absolute_path)) or '<body>'}: {e.message}" for e in errors[:5])
+
+
+def check_answer(method: str, path: str, status: int, body: Any,
+                 media_type: str = JSON) -> None:
+    """Fail (AssertionError) unless ``body`` is what the document says ``method path``
+    answers with ``status``. ``body``: parsed JSON, a list of parsed NDJSON lines, or bytes."""
+    content = response_content(method, path, status)
+    what = f"{method} {path} {status}"
+    if not content:
+        assert body in (None, b"", ""), f"{what}: a body the spec does not describe"
+        return
+    media = media_type if media_type in content else "*/*"
+    assert media in content, f"{what}: answered {media_type}, documented {sorted(content)}"
+    if media == NDJSON:
+        for i, line in enumerate(body):
+            validate(content[media], line, f"{what} line {i}")
+    elif media == JSON:
+        validate(content[media], body, what)

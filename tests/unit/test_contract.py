@@ -66,7 +66,7 @@ async def call(client, method: str, spec_path: str, status: int, url: str | None
     resp = await client.request(method, url or spec_path, **kwargs)
     body = await resp.json() if resp.content_type == "application/json" else await resp.read()
     assert resp.status == status, (method, url or spec_path, resp.status, body)
-    check_answer(method, spec_path, status, body)
+    check_answer(method, spec_path, status, body, resp.content_type)
     return body
 
 
