@@ -18,9 +18,11 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent / "agentbox"
 # async source -> generated sync module (in agentbox/)
-MODULES = {"async_commands.py": "commands.py"}
+MODULES = {"async_commands.py": "commands.py", "async_sandbox.py": "sandbox.py"}
 
 _RULES: list[tuple[str, str]] = [
+    # (await x.f()).attr -> x.f().attr; not a call's own parentheses: g(await x.f())
+    (r"(?<![\w)\]])\(await ([\w.]+\([^()]*\))\)", r"\1"),
     (r"\basync def\b", "def"),
     (r"\basync with\b", "with"),
     (r"\basync for\b", "for"),
@@ -41,6 +43,7 @@ _RULES: list[tuple[str, str]] = [
     (r"^import asyncio$", "import time"),
     (r", maybe_await\b", ""),
     (r"\bagentbox\.async_(\w+)", r"agentbox.\1"),
+    (r"\bused from asyncio\b", "used synchronously"),  # docstrings
 ]
 _COMPILED = [(re.compile(pattern), repl) for pattern, repl in _RULES]
 

@@ -56,6 +56,7 @@ def test_the_rules_unasync_the_constructs_the_sources_use():
            "            async for e in events:\n"
            "                await maybe_await(notify(cb, e))\n"
            "        await asyncio.sleep(1)\n"
+           "        return (await self.info()).state, f(await self.g())\n"
            "    def __aiter__(self): ...  # unasync: drop\n")
     assert gen.unasync(src, "x.py").splitlines()[1:] == [
         "import time",
@@ -66,4 +67,5 @@ def test_the_rules_unasync_the_constructs_the_sources_use():
         "            for e in events:",
         "                notify(cb, e)",
         "        time.sleep(1)",
+        "        return self.info().state, f(self.g())",
     ]
