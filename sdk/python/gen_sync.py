@@ -81,7 +81,8 @@ def unasync(source: str, origin: str) -> str:
         if depth <= 0:
             dedent, depth = 0, 0
         out.append(line)
-    return "".join(out)
+    # a dropped line between two blank ones leaves two blank lines inside a class
+    return re.sub(r"\n\n\n(?=[ ]+\S)", "\n\n", "".join(out))
 
 
 def generated() -> dict[Path, str]:

@@ -257,6 +257,7 @@ class AsyncSandbox:
             await self._client.aclose()
 
     close = aclose  # unasync: drop
+
     async def __aenter__(self) -> AsyncSandbox:
         return self
 
