@@ -5,6 +5,7 @@ and the SDK (agentbox.exceptions) decides on each code and on no code the server
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from agentbox import exceptions as sdk
@@ -106,3 +107,12 @@ def test_each_code_maps_to_a_specific_sdk_exception():
     assert sdk.error_class(503, "sandbox_limit") is sdk.UnavailableError  # by status
     assert sdk.from_response(409, {"error": {"code": "port_closed", "message": "m"}}).code \
         == "port_closed"  # the code is kept whatever the class
+
+
+def test_docs_error_table_lists_every_code_and_no_other():
+    text = (REPO / "docs" / "api.md").read_text()
+    table = text[text.index("## Error codes"):].split("\n\n")[1]
+    documented = {code for row in table.splitlines()[2:]
+                  for code in re.findall(r"`([a-z][a-z_]*)`", row.split("|")[2])}
+    assert documented == set(ERROR_CODES), (sorted(documented - set(ERROR_CODES)),
+                                            sorted(set(ERROR_CODES) - documented))
