@@ -469,7 +469,7 @@ def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("agentbox")
+        return version("agentbox-server")  # the server distribution, not the SDK
     except PackageNotFoundError:
         return "0.0.0"
 
