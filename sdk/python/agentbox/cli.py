@@ -26,6 +26,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except ImportError as exc:
+        if "pip install" not in str(exc):  # ours, naming the missing extra; else a bug
+            raise
+        print(f"agentbox: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
