@@ -109,10 +109,11 @@ def test_fresh_venv_installs_the_sdk_without_the_server(tmp_path):
                             capture_output=True, text=True, timeout=60)
     assert script.returncode == 0, script.stderr
     # a command whose extra is missing names it (no traceback)
+    client_env = {**env, "AGENTBOX_URL": "http://127.0.0.1:9", "AGENTBOX_API_KEY": "k"}
     for command, extra in (("shell", "shell"), ("mcp", "mcp")):
         run = subprocess.run([py, "-m", "agentbox", command, *(["sbx"] * (command == "shell"))],
-                             env={**env, "AGENTBOX_URL": "http://127.0.0.1:9"}, cwd=tmp_path,
-                             capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+                             env=client_env, cwd=tmp_path, capture_output=True, text=True,
+                             timeout=60, stdin=subprocess.DEVNULL)
         assert run.returncode == 1 and f"agentbox[{extra}]" in run.stderr, run.stderr
         assert "Traceback" not in run.stderr
 
