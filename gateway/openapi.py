@@ -269,6 +269,8 @@ class Op:
     query: tuple[tuple[str, str, dict[str, Any]], ...] = ()  # (name, description, schema)
     description: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # another success answer: (status, returns), e.g. a streamed form with its own status
+    also: tuple[int, str] | None = None
 
 
 _SB, _PID = "/v1/sandboxes/{id}", "/v1/sandboxes/{id}/commands/{pid}"
@@ -362,7 +364,8 @@ OPS: tuple[Op, ...] = (
     Op("DELETE", _SB + "/contexts/{name}", "Delete an interpreter context", "interpreter",
        204, errors=(400,) + _SANDBOX_ERRORS),
     Op("POST", _SB + "/commands", "Start a command (background: answer at once)", "commands",
-       201, "CommandRequest", "ProcessInfo|ndjson:OutputEvent", (400, 429) + _SANDBOX_ERRORS,
+       201, "CommandRequest", "ProcessInfo", (400, 429) + _SANDBOX_ERRORS,
+       also=(200, "ndjson:OutputEvent"),
        description="background=false streams its output (200 NDJSON, first line "
                    "{\"type\":\"start\",\"pid\"}); the command is killed if the client leaves."),
     Op("GET", _SB + "/commands", "List commands", "commands", returns="ProcessList",
@@ -417,6 +420,9 @@ def _operation(op: Op) -> dict[str, Any]:
     # Every keyed request can meet its key's rate limit (gateway.ratelimit).
     errors = op.errors if op.path in PUBLIC_PATHS else (401, 429, *op.errors)
     responses = {str(op.ok): ok}
+    if op.also:
+        responses[str(op.also[0])] = {"description": "OK (streamed)",
+                                      "content": _content(op.also[1])}
     responses.update({str(s): {"$ref": f"#/components/responses/{_ERRORS[s][0]}"}
                       for s in sorted(set(errors))})
     out: dict[str, Any] = {

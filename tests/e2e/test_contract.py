@@ -89,11 +89,12 @@ def _commands(api: httpx.Client, p: str) -> None:
     call(api, "POST", pid + "/stdin", 204, c + "/stdin", params={"eof": "1"}, content=b"")
     call(api, "GET", pid + "/wait", 200, c + "/wait", params={"timeout": "30"})
     call(api, "GET", pid + "/output", 200, c + "/output", params={"offset": "0"})
-    call(api, "POST", SB + "/commands", 200, p + "/commands", json={"command": "echo streamed"})
+    call(api, "POST", SB + "/commands", 200, p + "/commands",
+         json={"command": "echo streamed", "background": False})
     sleeper = call(api, "POST", SB + "/commands", 201, p + "/commands",
                    json={"command": "sleep 60", "background": True})
     call(api, "POST", pid + "/signal", 204, f"{p}/commands/{sleeper['pid']}/signal",
-         json={"signal": "TERM"})
+         json={"signal": "SIGTERM"})
     call(api, "GET", pid, 404, f"{p}/commands/999999")
 
 
