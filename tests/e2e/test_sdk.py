@@ -76,6 +76,36 @@ def test_seed_example_runs_unchanged(box, env, tmp_path):
             box.kill(sid)
 
 
+def test_seed_example_runs_from_a_fresh_sdk_only_venv(box, env, tmp_path):
+    """`pip install sdk/python` alone (no server packages: tests/unit/test_sdk_package.py)
+    into a new venv, then the seed example, unchanged, against the real daemon."""
+    import shutil
+    import venv
+
+    from tests.unit.test_sdk_package import SDK
+
+    venv.create(tmp_path / "venv", with_pip=True)
+    py = tmp_path / "venv" / "bin" / "python"
+    src = shutil.copytree(SDK, tmp_path / "src", ignore=shutil.ignore_patterns(
+        "build", "*.egg-info", "__pycache__"))
+    clean = {k: v for k, v in env.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    subprocess.run([py, "-m", "pip", "install", "-q", str(src)], check=True, env=clean,
+                   cwd=tmp_path, timeout=300, capture_output=True)
+    (tmp_path / "seed.py").write_text(SEED)
+    before = {s.id for s in box.list()}
+    proc = subprocess.run([py, "seed.py"], env=clean, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=180)
+    try:
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == "1\n\n"
+        probe = subprocess.run([py, "-c", "import gateway"], env=clean, cwd=tmp_path,
+                               capture_output=True, text=True, timeout=60)
+        assert probe.returncode != 0  # the server is not importable there
+    finally:
+        for sid in new_ids(box, before):
+            box.kill(sid)
+
+
 def test_sync_execute_files_and_errors(box, shared):
     res = shared.execute("import sys; print('out'); print('err', file=sys.stderr)")
     assert (res.stdout, res.stderr, res.exit_code, res.error) == ("out\n", "err\n", 0, None)
