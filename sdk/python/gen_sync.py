@@ -7,7 +7,8 @@ encode/httpcore): one description of the behaviour, two APIs.
 Each rule is a plain text or regex substitution, applied line by line; the async source is
 written so that they suffice (``contextlib.aclosing`` around async generators, for
 instance, becomes ``contextlib.closing`` around generators). Markers in the async source:
-a line ending in ``# unasync: drop`` is left out of the sync module.
+a line ending in ``# unasync: drop`` is left out of the sync module; a comment line
+``# unasync: add CODE`` is ``CODE`` there (and only there).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent / "agentbox"
 # async source -> generated sync module (in agentbox/)
-MODULES = {"async_commands.py": "commands.py", "async_sandbox.py": "sandbox.py"}
+MODULES = {"async_commands.py": "commands.py", "async_sandbox.py": "sandbox.py",
+           "async_client.py": "client.py"}
 
 _RULES: list[tuple[str, str]] = [
     # (await x.f()).attr -> x.f().attr; not a call's own parentheses: g(await x.f())
@@ -45,6 +47,7 @@ _RULES: list[tuple[str, str]] = [
     (r"\bagentbox\.async_(\w+)", r"agentbox.\1"),
     (r"\bused from asyncio\b", "used synchronously"),  # docstrings
 ]
+_ADD = re.compile(r"^(\s*)# unasync: add (.*)$")
 _COMPILED = [(re.compile(pattern), repl) for pattern, repl in _RULES]
 
 
@@ -69,6 +72,9 @@ def unasync(source: str, origin: str) -> str:
     dedent, depth = 0, 0  # continuation lines of a `def` that lost its `async `
     for line in source.splitlines(keepends=True):
         if line.rstrip().endswith("# unasync: drop"):
+            continue
+        if (added := _ADD.match(line)) is not None:
+            out.append(added.group(1) + added.group(2) + "\n")  # verbatim: no rules
             continue
         if depth > 0 and line.startswith(" " * dedent):
             line = line[dedent:]

@@ -57,7 +57,8 @@ def test_the_rules_unasync_the_constructs_the_sources_use():
            "                await maybe_await(notify(cb, e))\n"
            "        await asyncio.sleep(1)\n"
            "        return (await self.info()).state, f(await self.g())\n"
-           "    def __aiter__(self): ...  # unasync: drop\n")
+           "    def __aiter__(self): ...  # unasync: drop\n"
+           "    # unasync: add x = AsyncThing  # verbatim\n")
     assert gen.unasync(src, "x.py").splitlines()[1:] == [
         "import time",
         "class Thing:",
@@ -68,4 +69,5 @@ def test_the_rules_unasync_the_constructs_the_sources_use():
         "                notify(cb, e)",
         "        time.sleep(1)",
         "        return self.info().state, f(self.g())",
+        "    x = AsyncThing  # verbatim",
     ]

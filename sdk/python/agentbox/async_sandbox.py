@@ -33,7 +33,7 @@ from agentbox.models import (
 )
 
 if TYPE_CHECKING:
-    from agentbox.client import AsyncAgentBox
+    from agentbox.async_client import AsyncAgentBox
 
 Callback = Callable[[Any], Any]
 
@@ -72,7 +72,7 @@ class AsyncSandbox:
         """Create a sandbox from ``template`` (alias ``environment``). ``idle_timeout``:
         seconds without activity before it is suspended (0 = never; None = the server's
         default). ``keep=True``: leaving a ``with`` block does not kill it."""
-        from agentbox.client import AsyncAgentBox
+        from agentbox.async_client import AsyncAgentBox
 
         client = AsyncAgentBox(api_key=api_key, base_url=base_url, timeout=timeout)
         try:
@@ -90,7 +90,7 @@ class AsyncSandbox:
                       base_url: str | None = None,
                       timeout: float | None = None) -> AsyncSandbox:
         """Attach to an existing sandbox (never killed by leaving a ``with`` block)."""
-        from agentbox.client import AsyncAgentBox
+        from agentbox.async_client import AsyncAgentBox
 
         client = AsyncAgentBox(api_key=api_key, base_url=base_url, timeout=timeout)
         try:
@@ -104,7 +104,7 @@ class AsyncSandbox:
     @classmethod
     async def list(cls, *, api_key: str | None = None,
                    base_url: str | None = None) -> list[SandboxInfo]:
-        from agentbox.client import AsyncAgentBox
+        from agentbox.async_client import AsyncAgentBox
 
         async with AsyncAgentBox(api_key=api_key, base_url=base_url) as client:
             return await client.list()
