@@ -18,23 +18,26 @@ host-packages:
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# Two distributions: the server (this directory, `agentbox-server`) and the Python SDK with the
+# client CLI (sdk/python, `agentbox`), with every extra the test suite exercises.
+SDK_EXTRAS := mcp,langchain,crewai,shell
+$(VENV)/.installed: pyproject.toml sdk/python/pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test]' -e 'sdk/python[$(SDK_EXTRAS)]'
 	@touch $@
 
 # Build the configured templates and their golden snapshots (cached by content hash).
 images: setup
-	$(BIN)/agentbox images build --config $(CONFIG) $(if $(DATA_DIR),--images-dir $(DATA_DIR)/images)
+	$(BIN)/agentbox-server images build --config $(CONFIG) $(if $(DATA_DIR),--images-dir $(DATA_DIR)/images)
 
 run: images
-	$(BIN)/agentbox serve $(SERVE_ARGS)
+	$(BIN)/agentbox-server serve $(SERVE_ARGS)
 
 # The e2e suite serves the templates in its own config (python + python-datascience).
 TEST_CONFIG := tests/e2e/agentbox-test.toml
 test-images: setup
-	$(BIN)/agentbox images build --config $(TEST_CONFIG)
+	$(BIN)/agentbox-server images build --config $(TEST_CONFIG)
 
 test: images test-images
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -72,7 +75,7 @@ lint: venv
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info sdk/python/*.egg-info .pytest_cache
 
 # The TypeScript SDK: npm dependencies from its lock file, then tsc (make test builds it too).
 .PHONY: sdk-ts

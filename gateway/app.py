@@ -56,7 +56,8 @@ async def load_goldens(config: Config) -> tuple[vm_backend.Backend | None, dict[
         image = load_template(name, config.server.images_dir)
         if image is None:
             log.error("template %r is not built in %s: run `make images` "
-                      "(or `agentbox images build %s`)", name, config.server.images_dir, name)
+                      "(or `agentbox-server images build %s`)", name, config.server.images_dir,
+                      name)
             continue
         _warn_if_stale(image)
         images[name] = image
@@ -84,7 +85,8 @@ def _warn_if_stale(image) -> None:  # type: ignore[no-untyped-def]
     built = (read_manifest(image.dir) or {}).get("guest_digest")
     if built and built != files_digest(snapshot_files(GUEST_DIR)):
         log.warning("template %r was built from different guest/ code than this checkout: "
-                    "run `make images` (or `agentbox images build %s`)", image.name, image.name)
+                    "run `make images` (or `agentbox-server images build %s`)", image.name,
+                    image.name)
 
 
 def build_app(config: Config) -> web.Application:

@@ -74,3 +74,86 @@ class RateLimited(ApiError):
 
     status = 429
     code = "rate_limited"
+
+
+# Every ``code`` an error answer of this server can carry, with what it means. The codes are
+# raised where their causes are (the classes above, ``vmctl.errors``, ``guest.errors``, which the
+# gateway passes through, and the middlewares); this is their one list. The OpenAPI document
+# exports it (``components.schemas.ErrorCode``), tests/unit/test_error_codes.py checks it
+# against every code literal in gateway/, vmctl/ and guest/ both ways, and that the SDK
+# (``agentbox.exceptions``) maps each and no other.
+ERROR_CODES: dict[str, str] = {
+    # 400: the request itself
+    "bad_request": "a malformed or invalid request",
+    "bad_json": "the body is not the JSON object expected",
+    "invalid_type": "a field has the wrong JSON type",
+    "invalid_path": "a file path is not absolute or not allowed",
+    "invalid_cwd": "the working directory does not exist in the sandbox",
+    "not_a_directory": "a path that must be a directory is not one",
+    "is_a_directory": "a path that must be a file is a directory",
+    "bad_session_name": "a session name is not a DNS label",
+    "websocket_required": "the endpoint is a WebSocket: send an Upgrade",
+    "http_error": "any other HTTP error from the web framework",
+    # 401/403: who is asking
+    "unauthorized": "not authenticated",
+    "missing_api_key": "no 'Authorization: Bearer KEY' header",
+    "invalid_api_key": "the API key is unknown or revoked",
+    "forbidden": "the key may not do this (admin only)",
+    "cross_origin_refused": "a browser request from another origin",
+    "port_reserved": "the preview port is reserved (the guest agent's own)",
+    # 404: what is asked for
+    "not_found": "the object or file does not exist",
+    "no_route": "no route matches the request's path",
+    "sandbox_not_found": "no such sandbox (for this key)",
+    "template_not_found": "no such template",
+    "context_not_found": "no such interpreter context",
+    "process_not_found": "no such background process",
+    "session_not_found": "no such named session",
+    "key_not_found": "no such API key",
+    "method_not_allowed": "the route exists, not with this method (405)",
+    # 409: the state
+    "conflict": "the sandbox's state does not allow this",
+    "not_running": "the sandbox or process is not running",
+    "stdin_closed": "the process's stdin was already closed",
+    "context_exists": "an interpreter context of that name exists",
+    "session_name_taken": "another key's session has that name",
+    "session_not_ready": "the session's sandbox is not ready yet",
+    "suspend_cancelled": "a request arrived while suspending; the sandbox stays up",
+    "quota_exceeded": "a key's quota (max_sandboxes, max_awake, max_disk_mib)",
+    # 413, 429: sizes and rates
+    "payload_too_large": "the body is over the server's limit",
+    "too_large": "the body is over the guest agent's limit",
+    "rate_limited": "the key's request rate; see Retry-After",
+    "too_many_requests": "the guest agent refused: too many at once",
+    "too_many_contexts": "too many interpreter contexts in the sandbox",
+    "too_many_processes": "too many background processes in the sandbox",
+    # 499: the client went away (logged; a client never reads it)
+    "client_closed": "the client closed the connection",
+    # 500: the server
+    "internal": "an unexpected server error (the message has a request id)",
+    # 502/503/504/507: the sandbox's VM, guest agent, or the host
+    "vm_error": "the VM failed",
+    "vm_start_failed": "the VMM did not start",
+    "vm_gone": "the VMM exited",
+    "vmm_protocol_error": "the VMM's control socket answered nonsense",
+    "vm_timeout": "the VM did not answer in time",
+    "agent_unreachable": "the guest agent cannot be reached",
+    "agent_error": "the guest agent failed without an error body",
+    "snapshot_invalid": "a snapshot failed verification",
+    "restore_failed": "waking the sandbox failed",
+    "wake_timeout": "waking the sandbox took too long",
+    "sandbox_crashed": "the sandbox's VM crashed",
+    "image_error": "the template's image is missing or broken",
+    "disk_error": "the sandbox's disk could not be prepared",
+    "network_error": "the sandbox's network could not be set up",
+    "context_start_failed": "an interpreter context did not start",
+    "forward_failed": "the guest could not forward to the port",
+    "port_not_listening": "nothing listens on that port in the sandbox",
+    "port_closed": "the sandbox's port closed the connection",
+    "bad_gateway": "the sandbox's app answered nonsense",
+    "upstream_timeout": "the sandbox's app did not answer in time",
+    "hold_queue_full": "too many requests wait for this sandbox to wake",
+    "sandbox_limit": "the host is at capacity",
+    "unavailable": "the host is busy; see Retry-After",
+    "no_space": "the sandbox's disk is full",
+}

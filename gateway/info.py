@@ -18,7 +18,7 @@ routes = web.RouteTableDef()
 
 def _version() -> str:
     try:
-        return importlib.metadata.version("agentbox")
+        return importlib.metadata.version("agentbox-server")  # the server distribution
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
 

@@ -21,6 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.api import json_response
+from gateway.errors import ERROR_CODES
 from gateway.lifecycle import State
 from gateway.middleware import PUBLIC_PATHS
 from guest import protocol as p
@@ -104,7 +105,10 @@ def _gateway_schemas() -> dict[str, Any]:
         "template": _STR, "metadata": _METADATA, "idle_timeout": _NNUM,
         "created_at": _NUM, "updated_at": _NUM, "last_activity": _NUM,
         "suspend_count": _INT, "restore_count": _INT, "last_suspend_ms": _NNUM,
-        "last_restore_ms": _NNUM, "failure": _NSTR},
+        "last_restore_ms": _NNUM, "failure": _NSTR,
+        # the owner's view (create, get, update; not list): gateway.preview_auth.preview_view
+        "preview_token": _STR, "public_ports": {"type": "array", "items": _INT},
+        "preview_url_template": _STR},
         ("id", "state", "template", "metadata", "created_at"))
     output_event = _obj({
         "type": {"type": "string", "enum": ["start", "stdout", "stderr", "dropped", "exit"]},
@@ -117,16 +121,25 @@ def _gateway_schemas() -> dict[str, Any]:
         "execution_count": _INT, "duration_ms": _NUM}, ("type",),
         description="one NDJSON line of a streamed run_code")
     return {
-        "Error": _obj({"error": _obj({"code": _STR, "message": _STR}, ("code", "message"))},
-                      ("error",)),
+        "Error": _obj({"error": _obj({"code": _ref("ErrorCode"), "message": _STR},
+                                     ("code", "message"))}, ("error",)),
+        "ErrorCode": {"type": "string", "enum": sorted(ERROR_CODES),
+                      "description": "every code an error answer can carry (the server's "
+                                     "registry, gateway.errors.ERROR_CODES); "
+                                     "x-descriptions says what each means",
+                      "x-descriptions": dict(sorted(ERROR_CODES.items()))},
         "Sandbox": sandbox,
         "SandboxList": _list_of("sandboxes", "Sandbox"),
         "CreateSandboxRequest": _obj({
             "template": {"type": "string", "description": "default: the server's default"},
             "environment": {"type": "string", "description": "alias of template"},
             "metadata": _METADATA, "idle_timeout": _IDLE}, additionalProperties=False),
-        "UpdateSandboxRequest": _obj({"metadata": _METADATA, "idle_timeout": _IDLE},
-                                     additionalProperties=False),
+        "UpdateSandboxRequest": _obj({
+            "metadata": _METADATA, "idle_timeout": _IDLE,
+            "public_ports": {"type": "array", "items": _INT,
+                             "description": "ports served without the preview token "
+                                            "(replaces the list)"}},
+            additionalProperties=False),
         "Template": _obj({"name": _STR, "mem_mib": _INT, "default": _BOOL}, ("name",)),
         "TemplateList": _list_of("templates", "Template"),
         "Health": _obj({"status": _STR, "vmm": _STR, "accel": _STR, "accel_reason": _STR,
@@ -156,7 +169,7 @@ def _gateway_schemas() -> dict[str, Any]:
                                                        "failed"]},
             "start_pid": {"type": ["integer", "null"]}, "start_error": _NSTR,
             "metadata": _METADATA, "created_at": _NUM, "url": _STR, "proxy_path": _STR,
-            "preview_token": _NSTR}, ("name", "state", "port", "url")),
+            "preview_token": _NSTR}, ("name", "sandbox_id", "state", "port", "url")),
         "SessionList": _list_of("sessions", "Session"),
         **_key_schemas(),
         "Result": _obj({"is_main_result": _BOOL, "text/plain": _STR, "text/html": _STR,
@@ -257,6 +270,8 @@ class Op:
     query: tuple[tuple[str, str, dict[str, Any]], ...] = ()  # (name, description, schema)
     description: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # another success answer: (status, returns), e.g. a streamed form with its own status
+    also: tuple[int, str] | None = None
 
 
 _SB, _PID = "/v1/sandboxes/{id}", "/v1/sandboxes/{id}/commands/{pid}"
@@ -350,7 +365,8 @@ OPS: tuple[Op, ...] = (
     Op("DELETE", _SB + "/contexts/{name}", "Delete an interpreter context", "interpreter",
        204, errors=(400,) + _SANDBOX_ERRORS),
     Op("POST", _SB + "/commands", "Start a command (background: answer at once)", "commands",
-       201, "CommandRequest", "ProcessInfo|ndjson:OutputEvent", (400, 429) + _SANDBOX_ERRORS,
+       201, "CommandRequest", "ProcessInfo", (400, 429) + _SANDBOX_ERRORS,
+       also=(200, "ndjson:OutputEvent"),
        description="background=false streams its output (200 NDJSON, first line "
                    "{\"type\":\"start\",\"pid\"}); the command is killed if the client leaves."),
     Op("GET", _SB + "/commands", "List commands", "commands", returns="ProcessList",
@@ -405,6 +421,9 @@ def _operation(op: Op) -> dict[str, Any]:
     # Every keyed request can meet its key's rate limit (gateway.ratelimit).
     errors = op.errors if op.path in PUBLIC_PATHS else (401, 429, *op.errors)
     responses = {str(op.ok): ok}
+    if op.also:
+        responses[str(op.also[0])] = {"description": "OK (streamed)",
+                                      "content": _content(op.also[1])}
     responses.update({str(s): {"$ref": f"#/components/responses/{_ERRORS[s][0]}"}
                       for s in sorted(set(errors))})
     out: dict[str, Any] = {
@@ -457,7 +476,7 @@ def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("agentbox")
+        return version("agentbox-server")  # the server distribution, not the SDK
     except PackageNotFoundError:
         return "0.0.0"
 

@@ -5,7 +5,7 @@ Theory of operation
 -------------------
 ``[tenancy]`` in the config gives every non-admin key the same defaults (``Limits``;
 admin keys start unlimited); a key
-may carry overrides (``agentbox keys set``, ``PATCH /v1/keys/{id}``), stored as a
+may carry overrides (``agentbox-server keys set``, ``PATCH /v1/keys/{id}``), stored as a
 JSON object on its registry row. The effective limits are the defaults with the
 overrides applied; 0 means "no limit" for every field.
 

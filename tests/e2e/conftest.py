@@ -59,7 +59,7 @@ def start_daemon(data_dir: Path, port: int | None = None, timeout: float = 300,
     log_path = data_dir.parent / f"{data_dir.name}-daemon.log"
     log_file = open(log_path, "ab")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agentbox.cli", "serve", "--config", str(config),
+        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
          "--listen", f"127.0.0.1:{port}", "--data-dir", str(data_dir),
          "--images-dir", str(IMAGES_DIR)],
         cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -76,6 +76,36 @@ def test_seed_example_runs_unchanged(box, env, tmp_path):
             box.kill(sid)
 
 
+def test_seed_example_runs_from_a_fresh_sdk_only_venv(box, env, tmp_path):
+    """`pip install sdk/python` alone (no server packages: tests/unit/test_sdk_package.py)
+    into a new venv, then the seed example, unchanged, against the real daemon."""
+    import shutil
+    import venv
+
+    from tests.unit.test_sdk_package import SDK
+
+    venv.create(tmp_path / "venv", with_pip=True)
+    py = tmp_path / "venv" / "bin" / "python"
+    src = shutil.copytree(SDK, tmp_path / "src", ignore=shutil.ignore_patterns(
+        "build", "*.egg-info", "__pycache__"))
+    clean = {k: v for k, v in env.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    subprocess.run([py, "-m", "pip", "install", "-q", str(src)], check=True, env=clean,
+                   cwd=tmp_path, timeout=300, capture_output=True)
+    (tmp_path / "seed.py").write_text(SEED)
+    before = {s.id for s in box.list()}
+    proc = subprocess.run([py, "seed.py"], env=clean, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=180)
+    try:
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == "1\n\n"
+        probe = subprocess.run([py, "-c", "import gateway"], env=clean, cwd=tmp_path,
+                               capture_output=True, text=True, timeout=60)
+        assert probe.returncode != 0  # the server is not importable there
+    finally:
+        for sid in new_ids(box, before):
+            box.kill(sid)
+
+
 def test_sync_execute_files_and_errors(box, shared):
     res = shared.execute("import sys; print('out'); print('err', file=sys.stderr)")
     assert (res.stdout, res.stderr, res.exit_code, res.error) == ("out\n", "err\n", 0, None)
@@ -227,7 +257,7 @@ def test_preview_url(box, shared):
 
 def cli(env, *args: str, check: bool = True,
         input: str | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "agentbox.cli", *args], env=env,
+    proc = subprocess.run([sys.executable, "-m", "agentbox", *args], env=env,
                           capture_output=True, text=True, timeout=180, input=input)
     if check:
         assert proc.returncode == 0, (args, proc.stdout, proc.stderr)
@@ -270,7 +300,7 @@ def test_mcp_server_lists_tools_and_runs_code(env, box, tmp_path):
 
     before = {s.id for s in box.list()}
     params = mcp.StdioServerParameters(command=sys.executable,
-                                       args=["-m", "agentbox.cli", "mcp"], env=env)
+                                       args=["-m", "agentbox", "mcp"], env=env)
 
     async def session() -> tuple[list[str], str]:
         with open(tmp_path / "mcp-server.log", "w") as errlog:
@@ -333,7 +363,8 @@ def test_session_put_get_fetch_and_delete(box, daemon):
         sandbox = session.sandbox()
         assert sandbox.id == session.sandbox_id and sandbox.preview_token == session.preview_token
         r = _via_gateway(daemon, sandbox.get_url(8000, with_token=True))
-        assert r.status_code == 302 and "agentbox_preview=" in r.headers["set-cookie"]
+        # per-host cookie names since 064afef: agentbox_preview_<hash of the host>=...
+        assert r.status_code == 302 and "agentbox_preview_" in r.headers["set-cookie"]
         sandbox.set_public_ports([8000])
         assert _via_gateway(daemon, sandbox.get_url(8000)).status_code == 200
     finally:

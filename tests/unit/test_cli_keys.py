@@ -1,10 +1,10 @@
-"""`agentbox keys create|ls|set|revoke` on a registry in a temporary data dir."""
+"""`agentbox-server keys create|ls|set|revoke` on a registry in a temporary data dir."""
 
 from __future__ import annotations
 
 import json
 
-from agentbox.cli import main
+from gateway.cli import main
 from gateway.registry import Registry
 
 

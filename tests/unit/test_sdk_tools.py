@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -165,13 +166,69 @@ def test_langchain_tools(srv):
         assert by_name["run_command"].invoke({"command": "ls"}).startswith("exit_code: 0")
 
 
+# crewai's own import and Agent warn (ImportWarning, DeprecationWarning): not ours to fix.
+@pytest.mark.filterwarnings("ignore::ImportWarning", "ignore::DeprecationWarning",
+                            "ignore::PendingDeprecationWarning")
+async def test_crewai_tools(srv, monkeypatch):
+    monkeypatch.setenv("CREWAI_DISABLE_TELEMETRY", "true")  # no phoning home from a test
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    pytest.importorskip("crewai", reason="crewai is not installed (extra 'crewai')")
+    from crewai import Agent
+
+    from agentbox.tools.crewai import crewai_tools
+
+    with AgentBox(api_key=KEY, base_url=srv.url) as box:
+        tools = crewai_tools(box.connect("sb1"))
+        assert [t.name for t in tools] == list(TOOL_NAMES)
+        by_name = {t.name: t for t in tools}
+        assert by_name["read_file"].run(path="/root/f") == "hello file"
+        assert by_name["run_command"].run(command="ls").startswith("exit_code: 0")
+        assert srv.seen("POST", SB + "/execute")[-1].json == {"command": "ls"}  # no None args
+        schema = by_name["run_command"].args_schema.model_json_schema()
+        assert schema["required"] == ["command"] and set(schema["properties"]) == {
+            "command", "cwd", "timeout"}
+        agent = Agent(role="analyst", goal="answer with data", backstory="careful",
+                      tools=tools, llm="gpt-4o-mini")  # no model call: only built
+        assert [t.name for t in agent.tools] == list(TOOL_NAMES)
+        async with AsyncAgentBox(api_key=KEY, base_url=srv.url) as abox:
+            atools = crewai_tools(box.connect("sb1"), ["read_file"],
+                                  async_sandbox=await abox.connect("sb1"))
+            assert await atools[0].arun(path="/root/f") == "hello file"
+
+
+async def test_claude_agent_sdk_connects_to_the_mcp_server(srv, tmp_path):
+    """The real Claude Agent SDK (its bundled Claude Code CLI) starts `agentbox mcp` from
+    the options our helper builds and sees the five tools. No model is called (no API key
+    here): the CLI reports its MCP servers before any prompt."""
+    sdk = pytest.importorskip("claude_agent_sdk", reason="claude-agent-sdk is not installed")
+    from agentbox.tools.claude_agent import allowed_tools, mcp_servers
+
+    servers = mcp_servers(api_key=KEY, base_url=srv.url,
+                          env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+    assert servers["agentbox"]["env"]["AGENTBOX_URL"] == srv.url
+    options = sdk.ClaudeAgentOptions(
+        mcp_servers=servers, allowed_tools=allowed_tools(), setting_sources=[], cwd=tmp_path,
+        env={"ANTHROPIC_API_KEY": "sk-unused", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+             "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1", "HOME": str(tmp_path)})
+    async with sdk.ClaudeSDKClient(options=options) as client:
+        for _ in range(240):
+            status = (await client.get_mcp_status())["mcpServers"][0]
+            if status["status"] != "pending":
+                break
+            await asyncio.sleep(0.25)
+    assert status["status"] == "connected", status
+    names = [t["name"] for t in status["tools"]]
+    assert names == list(TOOL_NAMES)
+    assert allowed_tools() == [f"mcp__agentbox__{n}" for n in names]
+
+
 async def test_mcp_server_over_stdio(srv, tmp_path):
     mcp = pytest.importorskip("mcp", reason="the mcp package is not installed (extra 'mcp')")
     from mcp.client.stdio import stdio_client
 
     env = {**os.environ, "AGENTBOX_API_KEY": KEY, "AGENTBOX_URL": srv.url}
     params = mcp.StdioServerParameters(command=sys.executable,
-                                       args=["-m", "agentbox.cli", "mcp"], env=env)
+                                       args=["-m", "agentbox", "mcp"], env=env)
     with open(tmp_path / "mcp.log", "w") as errlog:
         async with stdio_client(params, errlog=errlog) as (read, write), \
                 mcp.ClientSession(read, write) as session:

@@ -32,7 +32,7 @@ def test_unit_is_hardened_but_keeps_what_vmms_need():
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze missing")
 def test_systemd_accepts_the_unit(tmp_path):
     unit = tmp_path / "agentbox.service"
-    unit.write_text(UNIT.read_text().replace("/opt/agentbox/.venv/bin/agentbox", "/bin/true")
+    unit.write_text(UNIT.read_text().replace("/opt/agentbox/.venv/bin/agentbox-server", "/bin/true")
                     .replace("WorkingDirectory=/opt/agentbox", f"WorkingDirectory={tmp_path}"))
     r = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True,
                        timeout=60)

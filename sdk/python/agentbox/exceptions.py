@@ -199,7 +199,7 @@ _BY_CODE: dict[str, type[AgentBoxError]] = {
     "process_not_found": ProcessNotFoundError,
     "session_not_found": SessionNotFoundError,
     "no_route": EndpointNotFoundError,
-    "route_not_found": EndpointNotFoundError,
+    "method_not_allowed": EndpointNotFoundError,
     "missing_api_key": AuthenticationError,
     "invalid_api_key": AuthenticationError,
     "no_space": StorageFullError,
@@ -207,6 +207,23 @@ _BY_CODE: dict[str, type[AgentBoxError]] = {
     "quota_exceeded": QuotaExceededError,
     "rate_limited": RateLimitError,
 }
+
+# The server's other codes (gateway.errors.ERROR_CODES), deliberately mapped by their HTTP
+# status (``_BY_STATUS``): the code stays on the exception (``exc.code``). Every server code is
+# in exactly one of the two tables and no other code is (tests/unit/test_error_codes.py).
+_BY_STATUS_CODES = frozenset({
+    "bad_request", "bad_json", "invalid_type", "invalid_path", "invalid_cwd", "not_a_directory",
+    "is_a_directory", "bad_session_name", "websocket_required", "http_error", "unauthorized",
+    "forbidden", "cross_origin_refused", "port_reserved", "not_found", "key_not_found",
+    "conflict", "not_running", "stdin_closed", "context_exists", "session_name_taken",
+    "session_not_ready", "suspend_cancelled", "payload_too_large", "too_large",
+    "too_many_requests", "too_many_contexts", "too_many_processes", "client_closed", "internal",
+    "vm_error", "vm_start_failed", "vm_gone", "vmm_protocol_error", "agent_unreachable",
+    "agent_error", "snapshot_invalid", "restore_failed", "wake_timeout", "sandbox_crashed",
+    "image_error", "disk_error", "network_error", "context_start_failed", "forward_failed",
+    "port_not_listening", "port_closed", "bad_gateway", "upstream_timeout", "hold_queue_full",
+    "sandbox_limit", "unavailable",
+})
 
 _BY_STATUS: dict[int, type[AgentBoxError]] = {
     400: InvalidArgumentError, 401: AuthenticationError, 403: PermissionDeniedError,

@@ -1,5 +1,18 @@
-"""The async ``sandbox.commands`` (see ``agentbox.commands`` for the behaviour).
-Callbacks may be plain functions or coroutine functions."""
+"""``sandbox.commands``: shell commands, in the foreground or in the background.
+
+A foreground run streams its output to the caller and is killed by the sandbox
+if the caller goes away. A background run answers at once with a
+:class:`AsyncCommandHandle`; its output is kept in the sandbox (the last 4 MiB, with
+absolute byte offsets), so a handle can follow it, lose the connection, and
+reattach from the last offset it saw -- also from another process, with
+``commands.connect(pid, offset=...)``, and across a suspend and resume.
+
+Callbacks (``on_stdout``/``on_stderr``) get each chunk as a ``str`` (in the asyncio SDK
+they may also be coroutine functions). For a background command they run while the
+caller waits (``wait()``) or iterates.
+"""
+# The source of agentbox/commands.py (the sync twin), which  # unasync: drop
+# sdk/python/gen_sync.py generates from it: edit this file, then run that.  # unasync: drop
 
 from __future__ import annotations
 
@@ -10,8 +23,14 @@ from typing import Any, Literal, overload
 
 from agentbox import _calls
 from agentbox._streams import CommandOutput, chunk_notice, maybe_await, notify
+from agentbox._command_helpers import (
+    MAX_REATTACH,
+    _cwd,
+    _Deadline,
+    _with_timeout,
+    reattach_delay,
+)
 from agentbox._transport import AsyncTransport
-from agentbox.commands import MAX_REATTACH, _cwd, _Deadline, _with_timeout, reattach_delay
 from agentbox.exceptions import APIConnectionError, ConflictError, StreamInterruptedError
 from agentbox.exceptions import TimeoutError as AgentBoxTimeout
 from agentbox.models import CommandResult, OutputChunk, ProcessInfo
@@ -20,7 +39,12 @@ OutputCallback = Callable[[str], Any]
 
 
 class AsyncCommandHandle:
-    """A background command: ``async for chunk in handle``, ``await handle.wait()``."""
+    """A background command. Iterate it for :class:`OutputChunk` s (following the output
+    until the command exits), or ``wait()`` for its :class:`CommandResult`.
+
+    ``offset`` is the byte offset the next read starts from: keep it to reattach later
+    with ``sandbox.commands.connect(pid, offset=...)``.
+    """
 
     def __init__(self, sandbox_id: str, transport: AsyncTransport, pid: int, offset: int = 0,
                  on_stdout: OutputCallback | None = None,
@@ -39,10 +63,12 @@ class AsyncCommandHandle:
 
     @property
     def exit_code(self) -> int | None:
+        """The exit code, once the output has been followed to the end."""
         return self._out.exit_code
 
     @property
     def stdout(self) -> str:
+        """Everything read from stdout so far (by iterating or waiting)."""
         return self._out.stdout
 
     @property
@@ -72,7 +98,7 @@ class AsyncCommandHandle:
                 deadline.remaining()
                 raise
             except APIConnectionError:
-                pass
+                pass  # reattach below from the last offset we saw
             if not self._out.done:
                 attempt += 1
                 delay = reattach_delay(attempt)
@@ -85,6 +111,9 @@ class AsyncCommandHandle:
     async def wait(self, timeout: float | None = None, *,
                    on_stdout: OutputCallback | None = None,
                    on_stderr: OutputCallback | None = None) -> CommandResult:
+        """Follow the output until the command exits. ``timeout``: raise
+        :class:`~agentbox.exceptions.TimeoutError` after this many seconds (the command
+        keeps running; wait again or kill it)."""
         if on_stdout or on_stderr:
             self._callbacks = {"stdout": on_stdout, "stderr": on_stderr}
         async with contextlib.aclosing(self._follow(timeout)) as chunks:
@@ -93,6 +122,7 @@ class AsyncCommandHandle:
         return self._out.result()
 
     async def kill(self, signal: str | int = "SIGKILL") -> bool:
+        """Signal the command's process group; False if it was no longer running."""
         try:
             await self._t.send(_calls.signal_command(self._id, self.pid, signal))
         except ConflictError:
@@ -100,6 +130,7 @@ class AsyncCommandHandle:
         return True
 
     async def send_stdin(self, data: str | bytes, eof: bool = False) -> None:
+        """Write to the command's stdin (it must have been started with ``stdin=True``)."""
         await self._t.send(_calls.command_stdin(self._id, self.pid, _calls.to_bytes(data), eof))
 
     async def close_stdin(self) -> None:
@@ -132,6 +163,10 @@ class AsyncCommands:
                   on_stdout: OutputCallback | None = None,
                   on_stderr: OutputCallback | None = None, timeout: float | None = None,
                   stdin: bool = False) -> CommandResult | AsyncCommandHandle:
+        """Run ``cmd`` under bash. Foreground: wait and return its :class:`CommandResult`
+        (a non-zero exit is not an exception: check ``exit_code``). Background: return a
+        :class:`AsyncCommandHandle` at once. ``timeout``: the sandbox kills it after this many
+        seconds. ``stdin=True`` keeps a pipe open for ``send_stdin``."""
         call = _calls.start_command(self._id, cmd, background, env, _cwd(cwd), stdin, timeout)
         if background:
             info = ProcessInfo.from_dict(await self._t.json(call))
@@ -143,6 +178,7 @@ class AsyncCommands:
         return out.result()
 
     async def list(self) -> list[ProcessInfo]:
+        """Running commands and recently finished ones (oldest first)."""
         data = await self._t.json(_calls.list_commands(self._id))
         return [ProcessInfo.from_dict(c) for c in data.get("commands", [])]
 
@@ -158,5 +194,7 @@ class AsyncCommands:
     async def connect(self, pid: int, offset: int = 0, *,
                       on_stdout: OutputCallback | None = None,
                       on_stderr: OutputCallback | None = None) -> AsyncCommandHandle:
+        """A handle on a command started earlier (checks that it exists); its output is
+        read from ``offset`` (0: the oldest output still kept)."""
         await self.get(pid)
         return AsyncCommandHandle(self._id, self._t, pid, offset, on_stdout, on_stderr)

@@ -1,5 +1,5 @@
-"""Client commands of the ``agentbox`` CLI (``agentbox.cli`` adds them next to the
-server-side ``serve``/``keys``/``images``):
+"""Client commands of the ``agentbox`` CLI (``agentbox.cli``; the daemon's
+``serve``/``keys``/``images`` are ``agentbox-server``, on the server side):
 
     create, ls, info, exec, run, cp, shell, url, suspend, resume, rm, templates, mcp,
     session put|get|ls|rm (in ``agentbox._cli_sessions``)
@@ -292,8 +292,9 @@ def _show_results(execution: Execution, save_dir: str | None, quiet: bool = Fals
 def cmd_shell(args: argparse.Namespace) -> int:
     import asyncio
 
-    from agentbox.terminal import run_terminal
+    from agentbox.terminal import require_aiohttp, run_terminal
 
+    require_aiohttp()  # before connecting: say which extra is missing first
     with _client(args) as box:
         sandbox = box.connect(args.sandbox)
         url, key = sandbox.terminal_url(), box.config.api_key

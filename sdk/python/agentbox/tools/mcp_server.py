@@ -153,5 +153,6 @@ def _content(out: ToolOutput, image_cls: Any, tool_error: Any) -> list[Any]:
 def serve(api_key: str | None = None, base_url: str | None = None, template: str = "python",
           sandbox_id: str | None = None, keep: bool = False) -> None:
     """Run the MCP server on stdin/stdout until the client closes it."""
+    _mcp()  # a missing extra is said first
     session = SessionSandbox(api_key, base_url, template, sandbox_id, keep)
     build_server(session).run("stdio")

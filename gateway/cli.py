@@ -1,7 +1,9 @@
-"""The ``agentbox`` command line.
+"""``agentbox-server``: the daemon's command line (``serve``, ``keys``, ``images``).
 
-Server-side commands (``serve``, ``keys``, ``images``) import the daemon's
-packages lazily, so the client commands and the SDK never depend on them.
+The client commands (``agentbox create|ls|exec|...``) live in the SDK's own
+distribution (``sdk/python``, ``agentbox.cli``); this module imports nothing
+from it. Subcommands import the server packages they need lazily, so
+``agentbox-server --help`` is fast.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def _cmd_keys(args: argparse.Namespace) -> int:
             print(f"no such key: {args.key_id}", file=sys.stderr)
             return 1
     except ApiError as exc:  # a bad limit (gateway.quotas.parse_overrides)
-        print(f"agentbox keys: {exc}", file=sys.stderr)
+        print(f"agentbox-server keys: {exc}", file=sys.stderr)
         return 2
     finally:
         registry.close()
@@ -174,15 +176,11 @@ async def _build_goldens(config, images) -> None:  # type: ignore[no-untyped-def
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="agentbox", description="AgentBox microVM sandboxes")
+    parser = argparse.ArgumentParser(prog="agentbox-server",
+                                     description="the AgentBox daemon and its host-side tools "
+                                                 "(the client CLI is `agentbox`, from the SDK)")
     sub = parser.add_subparsers(dest="command", required=True)
     _server_commands(sub)
-    try:
-        from agentbox import client_cli
-    except ImportError:
-        pass
-    else:
-        client_cli.add_commands(sub)
     return parser
 
 

@@ -1,3 +1,4 @@
+# Generated from agentbox/async_commands.py by sdk/python/gen_sync.py: do not edit.
 """``sandbox.commands``: shell commands, in the foreground or in the background.
 
 A foreground run streams its output to the caller and is killed by the sandbox
@@ -7,44 +8,33 @@ absolute byte offsets), so a handle can follow it, lose the connection, and
 reattach from the last offset it saw -- also from another process, with
 ``commands.connect(pid, offset=...)``, and across a suspend and resume.
 
-Callbacks (``on_stdout``/``on_stderr``) get each chunk as a ``str``. For a
-background command they run while the caller waits (``wait()``) or iterates.
+Callbacks (``on_stdout``/``on_stderr``) get each chunk as a ``str`` (in the asyncio SDK
+they may also be coroutine functions). For a background command they run while the
+caller waits (``wait()``) or iterates.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import replace
+import contextlib
+from collections.abc import Generator, Iterator, Callable
 from typing import Any, Literal, overload
 
 from agentbox import _calls
 from agentbox._streams import CommandOutput, chunk_notice, notify
-from agentbox._transport import Call, SyncTransport
+from agentbox._command_helpers import (
+    MAX_REATTACH,
+    _cwd,
+    _Deadline,
+    _with_timeout,
+    reattach_delay,
+)
+from agentbox._transport import SyncTransport
 from agentbox.exceptions import APIConnectionError, ConflictError, StreamInterruptedError
 from agentbox.exceptions import TimeoutError as AgentBoxTimeout
 from agentbox.models import CommandResult, OutputChunk, ProcessInfo
 
 OutputCallback = Callable[[str], Any]
-MAX_REATTACH = 5
-
-
-def reattach_delay(attempt: int) -> float | None:
-    """Seconds to wait before reattach attempt ``attempt`` (1-based), or None: give up."""
-    return None if attempt > MAX_REATTACH else min(0.1 * 2 ** (attempt - 1), 2.0)
-
-
-class _Deadline:
-    def __init__(self, timeout: float | None) -> None:
-        self.end = None if timeout is None else time.monotonic() + timeout
-
-    def remaining(self) -> float | None:
-        if self.end is None:
-            return None
-        left = self.end - time.monotonic()
-        if left <= 0:
-            raise AgentBoxTimeout("the command is still running (wait timed out)")
-        return left
 
 
 class CommandHandle:
@@ -87,21 +77,22 @@ class CommandHandle:
     def __iter__(self) -> Iterator[OutputChunk]:
         return self._follow(None)
 
-    def _follow(self, timeout: float | None) -> Iterator[OutputChunk]:
+    def _follow(self, timeout: float | None) -> Generator[OutputChunk, None, None]:
         deadline, attempt = _Deadline(timeout), 0
         while not self._out.done:
             call = _calls.command_output(self._id, self.pid, self._out.offset, follow=True)
             if deadline.end is not None:
                 call = _with_timeout(call, deadline.remaining())
             try:
-                for event in self._t.events(call):
-                    chunk = self._out.feed(event)
-                    if deadline.end is not None:
-                        deadline.remaining()  # raises once the wait timed out
-                    if chunk is not None:
-                        attempt = 0
-                        notify(self._callbacks, chunk_notice(chunk))
-                        yield chunk
+                with contextlib.closing(self._t.events(call)) as events:
+                    for event in events:
+                        chunk = self._out.feed(event)
+                        if deadline.end is not None:
+                            deadline.remaining()  # raises once the wait timed out
+                        if chunk is not None:
+                            attempt = 0
+                            notify(self._callbacks, chunk_notice(chunk))
+                            yield chunk
             except AgentBoxTimeout:
                 deadline.remaining()
                 raise
@@ -116,15 +107,17 @@ class CommandHandle:
                         f"with commands.connect({self.pid}, offset={self._out.offset})")
                 time.sleep(delay)
 
-    def wait(self, timeout: float | None = None, *, on_stdout: OutputCallback | None = None,
+    def wait(self, timeout: float | None = None, *,
+             on_stdout: OutputCallback | None = None,
              on_stderr: OutputCallback | None = None) -> CommandResult:
         """Follow the output until the command exits. ``timeout``: raise
         :class:`~agentbox.exceptions.TimeoutError` after this many seconds (the command
         keeps running; wait again or kill it)."""
         if on_stdout or on_stderr:
             self._callbacks = {"stdout": on_stdout, "stderr": on_stderr}
-        for _ in self._follow(timeout):
-            pass
+        with contextlib.closing(self._follow(timeout)) as chunks:
+            for _ in chunks:
+                pass
         return self._out.result()
 
     def kill(self, signal: str | int = "SIGKILL") -> bool:
@@ -146,10 +139,6 @@ class CommandHandle:
         return ProcessInfo.from_dict(self._t.json(_calls.get_command(self._id, self.pid)))
 
 
-def _with_timeout(call: Call, seconds: float | None) -> Call:
-    return replace(call, timeout=seconds)
-
-
 class Commands:
     def __init__(self, sandbox_id: str, transport: SyncTransport) -> None:
         self._id, self._t = sandbox_id, transport
@@ -157,17 +146,20 @@ class Commands:
     @overload
     def run(self, cmd: str, background: Literal[False] = False, *,
             env: dict[str, str] | None = None, cwd: str | None = None,
-            on_stdout: OutputCallback | None = None, on_stderr: OutputCallback | None = None,
+            on_stdout: OutputCallback | None = None,
+            on_stderr: OutputCallback | None = None,
             timeout: float | None = None, stdin: bool = False) -> CommandResult: ...
 
     @overload
     def run(self, cmd: str, background: Literal[True], *,
             env: dict[str, str] | None = None, cwd: str | None = None,
-            on_stdout: OutputCallback | None = None, on_stderr: OutputCallback | None = None,
+            on_stdout: OutputCallback | None = None,
+            on_stderr: OutputCallback | None = None,
             timeout: float | None = None, stdin: bool = False) -> CommandHandle: ...
 
-    def run(self, cmd: str, background: bool = False, *, env: dict[str, str] | None = None,
-            cwd: str | None = None, on_stdout: OutputCallback | None = None,
+    def run(self, cmd: str, background: bool = False, *,
+            env: dict[str, str] | None = None, cwd: str | None = None,
+            on_stdout: OutputCallback | None = None,
             on_stderr: OutputCallback | None = None, timeout: float | None = None,
             stdin: bool = False) -> CommandResult | CommandHandle:
         """Run ``cmd`` under bash. Foreground: wait and return its :class:`CommandResult`
@@ -179,8 +171,9 @@ class Commands:
             info = ProcessInfo.from_dict(self._t.json(call))
             return CommandHandle(self._id, self._t, info.pid, 0, on_stdout, on_stderr)
         out, callbacks = CommandOutput(), {"stdout": on_stdout, "stderr": on_stderr}
-        for event in self._t.events(call):
-            notify(callbacks, chunk_notice(out.feed(event)))
+        with contextlib.closing(self._t.events(call)) as events:
+            for event in events:
+                notify(callbacks, chunk_notice(out.feed(event)))
         return out.result()
 
     def list(self) -> list[ProcessInfo]:
@@ -197,13 +190,10 @@ class Commands:
     def send_stdin(self, pid: int, data: str | bytes, eof: bool = False) -> None:
         CommandHandle(self._id, self._t, pid).send_stdin(data, eof)
 
-    def connect(self, pid: int, offset: int = 0, *, on_stdout: OutputCallback | None = None,
+    def connect(self, pid: int, offset: int = 0, *,
+                on_stdout: OutputCallback | None = None,
                 on_stderr: OutputCallback | None = None) -> CommandHandle:
         """A handle on a command started earlier (checks that it exists); its output is
         read from ``offset`` (0: the oldest output still kept)."""
         self.get(pid)
         return CommandHandle(self._id, self._t, pid, offset, on_stdout, on_stderr)
-
-
-def _cwd(cwd: str | None) -> str | None:
-    return None if cwd is None else _calls.sandbox_path(cwd)

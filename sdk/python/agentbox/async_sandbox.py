@@ -1,6 +1,14 @@
-"""``AsyncSandbox``: the asyncio twin of :class:`agentbox.Sandbox` (same methods,
-awaited; ``async with`` kills on exit unless ``keep=True`` or connected).
-Callbacks may be plain functions or coroutine functions."""
+"""``AsyncSandbox``: one microVM sandbox, used from asyncio.
+
+Made by :meth:`AsyncSandbox.create` / :meth:`AsyncAgentBox.create` (a new sandbox) or
+:meth:`AsyncSandbox.connect` (an existing one). As a context manager it kills the
+sandbox on exit, unless it was created with ``keep=True`` or connected to.
+A sandbox that went to sleep (suspended when idle) needs no special call: the
+server wakes it for the next request. Callbacks may be plain functions or, in the
+asyncio SDK, coroutine functions.
+"""
+# The source of agentbox/sandbox.py (the sync twin), which  # unasync: drop
+# sdk/python/gen_sync.py generates from it: edit this file, then run that.  # unasync: drop
 
 from __future__ import annotations
 
@@ -25,7 +33,7 @@ from agentbox.models import (
 )
 
 if TYPE_CHECKING:
-    from agentbox.client import AsyncAgentBox
+    from agentbox.async_client import AsyncAgentBox
 
 Callback = Callable[[Any], Any]
 
@@ -50,7 +58,10 @@ class AsyncSandbox:
 
     @property
     def state(self) -> str:
+        """The state when last fetched (``get_info()`` refreshes it)."""
         return self.info.state
+
+    # -- making one ------------------------------------------------------------------------------
 
     @classmethod
     async def create(cls, template: str | None = _common.DEFAULT_TEMPLATE, *,
@@ -58,7 +69,10 @@ class AsyncSandbox:
                      metadata: dict[str, Any] | None = None, keep: bool = False,
                      api_key: str | None = None, base_url: str | None = None,
                      timeout: float | None = None) -> AsyncSandbox:
-        from agentbox.client import AsyncAgentBox
+        """Create a sandbox from ``template`` (alias ``environment``). ``idle_timeout``:
+        seconds without activity before it is suspended (0 = never; None = the server's
+        default). ``keep=True``: leaving a ``with`` block does not kill it."""
+        from agentbox.async_client import AsyncAgentBox
 
         client = AsyncAgentBox(api_key=api_key, base_url=base_url, timeout=timeout)
         try:
@@ -75,7 +89,8 @@ class AsyncSandbox:
     async def connect(cls, sandbox_id: str, *, api_key: str | None = None,
                       base_url: str | None = None,
                       timeout: float | None = None) -> AsyncSandbox:
-        from agentbox.client import AsyncAgentBox
+        """Attach to an existing sandbox (never killed by leaving a ``with`` block)."""
+        from agentbox.async_client import AsyncAgentBox
 
         client = AsyncAgentBox(api_key=api_key, base_url=base_url, timeout=timeout)
         try:
@@ -89,7 +104,7 @@ class AsyncSandbox:
     @classmethod
     async def list(cls, *, api_key: str | None = None,
                    base_url: str | None = None) -> list[SandboxInfo]:
-        from agentbox.client import AsyncAgentBox
+        from agentbox.async_client import AsyncAgentBox
 
         async with AsyncAgentBox(api_key=api_key, base_url=base_url) as client:
             return await client.list()
@@ -99,6 +114,8 @@ class AsyncSandbox:
     async def execute(self, code: str | None = None, *, command: str | None = None,
                       language: str | None = None, timeout: float | None = None,
                       env: dict[str, str] | None = None, cwd: str | None = None) -> ExecResult:
+        """Run ``code`` (Python unless ``language`` is "bash"/"sh") or a shell ``command``
+        in a fresh process, and wait for it. ``timeout`` (seconds, default 60) kills it."""
         language = language or ("python" if code is not None else None)
         call = _calls.execute(self.id, code, command, language, timeout, env,
                               None if cwd is None else _calls.sandbox_path(cwd))
@@ -110,6 +127,10 @@ class AsyncSandbox:
                        on_result: Callback | None = None, on_error: Callback | None = None,
                        timeout: float | None = None,
                        env: dict[str, str] | None = None) -> Execution:
+        """Run ``code`` in a stateful interpreter context (variables and imports persist
+        between runs; ``context`` None = the default one). Returns its :class:`Execution`
+        (stdout, stderr, rich ``results`` such as charts, and ``error``). With callbacks,
+        output is streamed to them as it happens."""
         callbacks = _common.run_callbacks(on_stdout, on_stderr, on_result, on_error)
         stream = any(callbacks.values())
         call = _calls.run_code(self.id, code, language, _common.context_name(context), timeout,
@@ -138,10 +159,14 @@ class AsyncSandbox:
 
     async def upload(self, path: str, data: Any, *,
                      on_progress: Callable[[int, int | None], Any] | None = None) -> FileInfo:
+        """Write ``data`` (str, bytes, an open binary file, a local ``Path``, or an iterable
+        of bytes) to ``path`` in the sandbox, streamed."""
         return await self.files.write(path, data, on_progress=on_progress)
 
     async def download(self, path: str, dest: str | Path | None = None, *,
                        on_progress: Callable[[int, int | None], Any] | None = None) -> Any:
+        """The file's bytes; or, with ``dest``, stream it into that local file and return
+        its ``Path``."""
         if dest is None:
             return await self.files.read(path, format="bytes")
         return await self.files.download(path, dest, on_progress=on_progress)
@@ -149,6 +174,10 @@ class AsyncSandbox:
     # -- addressing ------------------------------------------------------------------------------
 
     async def get_url(self, port: int, with_token: bool = False) -> str:
+        """The URL where the gateway serves ``port`` of this sandbox (waking it if needed).
+        Ports are private unless made public: ``with_token=True`` appends ``?token=``, which
+        a browser trades for a cookie on its first visit (programs can instead send the
+        header ``X-AgentBox-Token: {preview_token}``)."""
         url = _common.preview_url(await self._client.server_info(),
                                   self._t.config.base_url, self.id, port)
         return _common.with_token(url, await self.preview_token) if with_token else url
@@ -156,25 +185,31 @@ class AsyncSandbox:
     # -- preview access --------------------------------------------------------------------------
 
     async def get_preview(self) -> PreviewAccess:
+        """The preview token and public ports (``GET .../preview``)."""
         return PreviewAccess.from_dict(await self._t.json(_calls.get_preview(self.id)))
 
     @property
     async def preview_token(self) -> str:
-        """``await sandbox.preview_token`` (fetched on each access)."""
+        """The token that opens this sandbox's private ports (``await
+        sandbox.preview_token``; fetched on each access)."""
         return (await self.get_preview()).preview_token
 
     async def rotate_preview_token(self) -> str:
+        """A new preview token; the old one, and links and cookies made with it, stop working."""
         data = await self._t.json(_calls.rotate_preview_token(self.id))
         return PreviewAccess.from_dict(data).preview_token
 
     async def set_public_ports(self, ports: builtins.list[int]) -> PreviewAccess:
+        """Serve these ports without a token (replaces the list; ``[]`` = all private)."""
         data = await self._t.json(_calls.set_public_ports(self.id, ports))
         return PreviewAccess.from_dict(data)
 
     async def get_host(self, port: int) -> str:
+        """``{port}-{id}.{domain}`` (host and port of :meth:`get_url`, without scheme)."""
         return _common.host_of(await self.get_url(port))
 
     def terminal_url(self) -> str:
+        """The WebSocket URL of this sandbox's terminal."""
         return _common.ws_url(self._t.config.base_url, _calls.terminal_path(self.id))
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -187,6 +222,7 @@ class AsyncSandbox:
         return (await self.get_info()).state == "running"
 
     async def suspend(self) -> SandboxInfo:
+        """Snapshot the sandbox to disk and stop its VM (it costs no RAM until resumed)."""
         self.info = SandboxInfo.from_dict(await self._t.json(_calls.suspend_sandbox(self.id)))
         return self.info
 
@@ -197,6 +233,7 @@ class AsyncSandbox:
         return self.info
 
     async def set_idle_timeout(self, seconds: float) -> SandboxInfo:
+        """Suspend after this many idle seconds (0 = never)."""
         return await self.update(idle_timeout=seconds)
 
     async def update(self, *, idle_timeout: float | None = None,
@@ -207,6 +244,7 @@ class AsyncSandbox:
         return self.info
 
     async def kill(self) -> bool:
+        """Destroy the sandbox; False if it was already gone."""
         try:
             await self._t.send(_calls.delete_sandbox(self.id))
         except SandboxNotFoundError:
@@ -214,10 +252,11 @@ class AsyncSandbox:
         return True
 
     async def aclose(self) -> None:
+        """Release the HTTP connections (when this sandbox made its own client)."""
         if self._owns_client:
             await self._client.aclose()
 
-    close = aclose
+    close = aclose  # unasync: drop
 
     async def __aenter__(self) -> AsyncSandbox:
         return self

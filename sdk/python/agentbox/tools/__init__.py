@@ -8,8 +8,10 @@
     message = dispatch.openai(tool_call)    # or dispatch.anthropic(tool_use_block)
 
 Tools: run_code, run_command, read_file, write_file, list_files. LangChain:
-``agentbox.tools.langchain.langchain_tools(sandbox)`` (extra ``langchain``). MCP:
-``agentbox mcp`` (extra ``mcp``).
+``agentbox.tools.langchain.langchain_tools(sandbox)`` (extra ``langchain``). CrewAI:
+``agentbox.tools.crewai.crewai_tools(sandbox)`` (extra ``crewai``). MCP:
+``agentbox mcp`` (extra ``mcp``); the Claude Agent SDK through it:
+``agentbox.tools.claude_agent.mcp_servers()`` / ``allowed_tools()``.
 """
 
 from agentbox.tools.dispatch import AsyncToolDispatcher, ToolDispatcher, ToolOutput

@@ -1,15 +1,18 @@
+# Generated from agentbox/async_sandbox.py by sdk/python/gen_sync.py: do not edit.
 """``Sandbox``: one microVM sandbox, used synchronously.
 
 Made by :meth:`Sandbox.create` / :meth:`AgentBox.create` (a new sandbox) or
 :meth:`Sandbox.connect` (an existing one). As a context manager it kills the
 sandbox on exit, unless it was created with ``keep=True`` or connected to.
 A sandbox that went to sleep (suspended when idle) needs no special call: the
-server wakes it for the next request.
+server wakes it for the next request. Callbacks may be plain functions or, in the
+asyncio SDK, coroutine functions.
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -72,8 +75,9 @@ class Sandbox:
 
         client = AgentBox(api_key=api_key, base_url=base_url, timeout=timeout)
         try:
-            sandbox = client.create(template, environment=environment, idle_timeout=idle_timeout,
-                                    metadata=metadata, keep=keep)
+            sandbox = client.create(template, environment=environment,
+                                          idle_timeout=idle_timeout, metadata=metadata,
+                                          keep=keep)
         except BaseException:
             client.close()
             raise
@@ -82,7 +86,8 @@ class Sandbox:
 
     @classmethod
     def connect(cls, sandbox_id: str, *, api_key: str | None = None,
-                base_url: str | None = None, timeout: float | None = None) -> Sandbox:
+                base_url: str | None = None,
+                timeout: float | None = None) -> Sandbox:
         """Attach to an existing sandbox (never killed by leaving a ``with`` block)."""
         from agentbox.client import AgentBox
 
@@ -96,7 +101,8 @@ class Sandbox:
         return sandbox
 
     @classmethod
-    def list(cls, *, api_key: str | None = None, base_url: str | None = None) -> list[SandboxInfo]:
+    def list(cls, *, api_key: str | None = None,
+             base_url: str | None = None) -> list[SandboxInfo]:
         from agentbox.client import AgentBox
 
         with AgentBox(api_key=api_key, base_url=base_url) as client:
@@ -118,7 +124,8 @@ class Sandbox:
                  context: str | CodeContext | None = None, *,
                  on_stdout: Callback | None = None, on_stderr: Callback | None = None,
                  on_result: Callback | None = None, on_error: Callback | None = None,
-                 timeout: float | None = None, env: dict[str, str] | None = None) -> Execution:
+                 timeout: float | None = None,
+                 env: dict[str, str] | None = None) -> Execution:
         """Run ``code`` in a stateful interpreter context (variables and imports persist
         between runs; ``context`` None = the default one). Returns its :class:`Execution`
         (stdout, stderr, rich ``results`` such as charts, and ``error``). With callbacks,
@@ -130,8 +137,9 @@ class Sandbox:
         if not stream:
             return Execution.from_dict(self._t.json(call))
         builder = ExecutionBuilder()
-        for event in self._t.events(call):
-            notify(callbacks, builder.feed(event))
+        with contextlib.closing(self._t.events(call)) as events:
+            for event in events:
+                notify(callbacks, builder.feed(event))
         return builder.finish()
 
     def create_code_context(self, name: str | None = None, *, cwd: str | None = None,
@@ -169,8 +177,8 @@ class Sandbox:
         Ports are private unless made public: ``with_token=True`` appends ``?token=``, which
         a browser trades for a cookie on its first visit (programs can instead send the
         header ``X-AgentBox-Token: {preview_token}``)."""
-        url = _common.preview_url(self._client.server_info(), self._t.config.base_url,
-                                  self.id, port)
+        url = _common.preview_url(self._client.server_info(),
+                                  self._t.config.base_url, self.id, port)
         return _common.with_token(url, self.preview_token) if with_token else url
 
     # -- preview access --------------------------------------------------------------------------
@@ -181,7 +189,8 @@ class Sandbox:
 
     @property
     def preview_token(self) -> str:
-        """The token that opens this sandbox's private ports (fetched on each access)."""
+        """The token that opens this sandbox's private ports (``await
+        sandbox.preview_token``; fetched on each access)."""
         return self.get_preview().preview_token
 
     def rotate_preview_token(self) -> str:
@@ -191,7 +200,8 @@ class Sandbox:
 
     def set_public_ports(self, ports: builtins.list[int]) -> PreviewAccess:
         """Serve these ports without a token (replaces the list; ``[]`` = all private)."""
-        return PreviewAccess.from_dict(self._t.json(_calls.set_public_ports(self.id, ports)))
+        data = self._t.json(_calls.set_public_ports(self.id, ports))
+        return PreviewAccess.from_dict(data)
 
     def get_host(self, port: int) -> str:
         """``{port}-{id}.{domain}`` (host and port of :meth:`get_url`, without scheme)."""

@@ -27,6 +27,16 @@ from agentbox.exceptions import APIConnectionError, from_response
 _EOT = b"\x04"  # ^D: ends the shell when our stdin is a pipe that reached its end
 
 
+def require_aiohttp() -> Any:
+    """aiohttp, the WebSocket client (httpx has none): the SDK's extra ``shell``."""
+    try:
+        import aiohttp
+    except ImportError as exc:
+        raise ImportError("`agentbox shell` needs aiohttp (its WebSocket client): "
+                          "pip install 'agentbox[shell]'") from exc
+    return aiohttp
+
+
 @contextlib.contextmanager
 def raw_mode(fd: int) -> Iterator[None]:
     """Raw mode on ``fd`` if it is a terminal; restored on exit."""
@@ -61,7 +71,7 @@ async def run_terminal(url: str, api_key: str, stdin_fd: int | None = None,
                        stdout: Any = None) -> int:
     """Connect stdin/stdout to the sandbox terminal at ``url`` (ws:// or wss://);
     returns the remote shell's exit code (0 if the server did not say)."""
-    import aiohttp
+    aiohttp = require_aiohttp()
 
     stdin_fd = sys.stdin.fileno() if stdin_fd is None else stdin_fd
     out = stdout if stdout is not None else sys.stdout.buffer

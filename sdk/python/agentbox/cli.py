@@ -1,0 +1,37 @@
+"""The ``agentbox`` command line (the SDK's client CLI; also ``python -m agentbox``).
+
+Commands are in ``agentbox.client_cli``. The daemon's own commands (``serve``,
+``keys``, ``images``) are ``agentbox-server``, shipped with the server, not here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from agentbox import client_cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agentbox", description="AgentBox microVM sandboxes "
+                                     "(client; the daemon is `agentbox-server`)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    client_cli.add_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except ImportError as exc:
+        if "pip install" not in str(exc):  # ours, naming the missing extra; else a bug
+            raise
+        print(f"agentbox: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
