@@ -245,6 +245,8 @@ class SandboxService:
             if agent is not None:
                 await agent.aclose()
         self._controllers.clear()
+        if self.backend.cgroups is not None:  # gone only if no VMM of ours is left running
+            await asyncio.to_thread(self.backend.cgroups.remove_parent)
 
     # -- helpers -----------------------------------------------------------------------
 

@@ -104,6 +104,22 @@ class CgroupManager:
                         break
                     time.sleep(0.02)
 
+    def remove_parent(self) -> bool:
+        """Remove this daemon's parent cgroup (and ``agentbox/`` if that is empty too) when
+        no VMM cgroup is left under it; VMMs that outlive the daemon keep it."""
+        removed = True
+        for d in self.hierarchy.dirs(self.parent):
+            try:
+                d.rmdir()
+            except FileNotFoundError:
+                continue
+            except OSError:  # a VMM's cgroup is still under it
+                removed = False
+                continue
+            with contextlib.suppress(OSError):  # other daemons' cgroups may be there
+                d.parent.rmdir()
+        return removed
+
     def sweep(self, keep: set[str]) -> list[str]:
         """Remove this daemon's empty cgroups not in ``keep`` (left by a crash)."""
         removed = []

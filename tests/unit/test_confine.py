@@ -149,6 +149,8 @@ def test_real_cgroup_limits_a_process_and_is_removed(tmp_path):
     assert not any(d.exists() for d in manager.hierarchy.dirs(f"{manager.parent}/unit-test"))
     manager.create("left-behind", limits)
     assert manager.sweep(keep=set()) == ["left-behind"]
+    assert manager.remove_parent()  # the daemon's own cgroup goes with its last VMM
+    assert not any(d.exists() for d in manager.hierarchy.dirs(manager.parent))
 
 
 async def test_console_log_is_capped_and_rotated(tmp_path):
