@@ -275,3 +275,15 @@ def test_preload_setting(tmp_path: Path):
     assert zygote_preload(None, str(tmp_path / "missing")) == ()
     assert zygote_preload("json, re", str(f)) == ("json", "re")
     assert zygote_preload("off", str(f)) is None
+
+
+async def test_client_disconnect_kills_the_child(client, tmp_path):
+    import aiohttp
+
+    pidfile = tmp_path / "main.pid"
+    code = f"import os, time; open('{pidfile}', 'w').write(str(os.getpid())); time.sleep(100)"
+    with pytest.raises(asyncio.TimeoutError):
+        await client.post("/exec", json={"code": code}, timeout=aiohttp.ClientTimeout(total=1))
+    assert await wait_gone(await read_pid(pidfile))
+    health = await (await client.get("/health")).json()
+    assert health["running"] == 0
