@@ -32,6 +32,7 @@ agent then runs that call with plain ``python3`` and starts a new zygote.
 from __future__ import annotations
 
 import builtins
+import gc
 import importlib
 import importlib.machinery
 import json
@@ -237,6 +238,10 @@ def main(argv: list[str]) -> None:
             importlib.import_module(name)
         except Exception as exc:  # a missing module costs speed, not correctness
             print(f"agentbox zygote: cannot preload {name}: {exc!r}", file=sys.stderr)
+    # Everything loaded so far goes to the permanent generation: a child's collections then
+    # never walk (and so never copy-on-write) the zygote's pages; user objects still collect.
+    gc.collect()
+    gc.freeze()
     Zygote(ctl).serve()
 
 
