@@ -31,6 +31,7 @@ agent then runs that call with plain ``python3`` and starts a new zygote.
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import gc
 import importlib
@@ -42,6 +43,7 @@ import signal
 import site
 import socket
 import sys
+import threading  # loaded here, not in each child's shutdown
 import types
 import warnings
 
@@ -211,9 +213,6 @@ def exit_status(exc: SystemExit) -> int:
 
 def finish(status: int) -> int:
     """What interpreter shutdown does before exit: threads, atexit, flushing."""
-    import atexit
-    import threading
-
     try:
         threading._shutdown()  # type: ignore[attr-defined]  # wait for non-daemon threads
     except BaseException:
