@@ -22,12 +22,6 @@ the exec's pipes, every other fd closed, the request's cwd and exact env, a new
 invalidated, and random state reseeded: a golden snapshot holds this process,
 so every clone of it would otherwise draw the same ``random``/numpy numbers.
 
-Spares: forking a large process is slow under emulation (page tables, copy-on-write), so
-when we have been idle for SPARE_IDLE we fork the next call's child in advance; it blocks on
-its own socket until we hand it a request (the same message and fds), and only then turns
-itself into the call's process, reseeding included, so a spare in a golden snapshot is as
-fresh as a new fork. A spare that is not needed (stale zygote) gets EOF and exits.
-
 Staleness: a package installed after we started (pip into a site dir, a new user
 site) would be invisible to our children though a fresh ``python3`` sees it. We
 remember the mtimes of the ``sys.path`` directories; when one changes we refuse
@@ -54,7 +48,6 @@ import types
 import warnings
 
 MAX_MESSAGE = 256 * 1024
-SPARE_IDLE = 0.01  # seconds without a message before the next call's child is forked
 TOP_FD = 1 << 20  # closerange end: the kernel clamps it to what is open
 
 
@@ -77,8 +70,6 @@ class Zygote:
         self.sel = selectors.DefaultSelector()
         self.sel.register(ctl, selectors.EVENT_READ)
         self.children: dict[int, int] = {}  # pidfd -> pid
-        self.quiet: dict[int, int] = {}  # pidfd -> pid of spares, reaped without a message
-        self.spare: tuple[int, int, socket.socket] | None = None  # pid, pidfd, its socket
         self.watch = watched_dirs()
         self.stale = False
 
@@ -88,11 +79,7 @@ class Zygote:
     def serve(self) -> None:
         self.send({"type": "ready", "pid": os.getpid(), "python": sys.executable})
         while self.children or not self.stale:
-            idle = SPARE_IDLE if self.spare is None and not self.stale else None
-            events = self.sel.select(idle)
-            if not events:
-                self.fork_spare()
-            for key, _ in events:
+            for key, _ in self.sel.select():
                 if key.fileobj is self.ctl:
                     if not self.receive():
                         return  # the agent is gone: our children are init's now
@@ -110,7 +97,6 @@ class Zygote:
             req = json.loads(data)
             if req.get("retire"):  # the agent has a newer zygote: finish and exit
                 self.stale = True
-                self.discard_spare()
             else:
                 self.start(req, fds)
         finally:
@@ -121,13 +107,12 @@ class Zygote:
     def start(self, req: dict, fds: list[int]) -> None:
         if self.stale or self.watch != watched_dirs():
             self.stale = True
-            self.discard_spare()
             self.send({"id": req["id"], "stale": True})
             return
-        if self.spare is not None and self.hand_to_spare(req, fds):
-            return
         try:
-            pid = _fork()
+            with warnings.catch_warnings():  # 3.12+ warns about forking with C threads
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
         except OSError as exc:
             self.send({"id": req["id"], "error": f"fork: {exc}"})
             return
@@ -138,63 +123,10 @@ class Zygote:
         self.sel.register(pidfd, selectors.EVENT_READ)
         self.send({"id": req["id"], "pid": pid})
 
-    def fork_spare(self) -> None:
-        """Fork the next call's child now, while idle: it waits for its request."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            pid = _fork()
-        except OSError:
-            ours.close()
-            theirs.close()
-            return
-        if pid == 0:
-            ours.close()
-            self.wait_as_spare(theirs)  # never returns
-        theirs.close()
-        pidfd = os.pidfd_open(pid)
-        self.quiet[pidfd] = pid
-        self.sel.register(pidfd, selectors.EVENT_READ)
-        self.spare = (pid, pidfd, ours)
-
-    def wait_as_spare(self, sock: socket.socket) -> None:
-        try:
-            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
-        except BaseException:
-            os._exit(0)
-        if not data:
-            os._exit(0)  # discarded (stale zygote) or the zygote is gone
-        sock.close()
-        self.become_child(json.loads(data), fds)
-
-    def hand_to_spare(self, req: dict, fds: list[int]) -> bool:
-        assert self.spare is not None
-        pid, pidfd, sock = self.spare
-        self.spare = None
-        try:
-            socket.send_fds(sock, [json.dumps(req).encode()], fds)
-        except OSError:
-            return False  # it died; its pidfd reaps it
-        finally:
-            sock.close()
-        self.children[pidfd] = self.quiet.pop(pidfd)
-        self.send({"id": req["id"], "pid": pid})
-        return True
-
-    def discard_spare(self) -> None:
-        if self.spare is not None:
-            self.spare[2].close()  # EOF: it exits, and is reaped quietly
-            self.spare = None
-
     def reap(self, pidfd: int) -> None:
+        pid = self.children.pop(pidfd)
         self.sel.unregister(pidfd)
         os.close(pidfd)
-        if pidfd in self.quiet:  # a spare that never got a request
-            if self.spare is not None and self.spare[1] == pidfd:
-                self.spare[2].close()
-                self.spare = None
-            os.waitpid(self.quiet.pop(pidfd), 0)
-            return
-        pid = self.children.pop(pidfd)
         _, status = os.waitpid(pid, 0)
         self.send({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
 
@@ -212,12 +144,6 @@ class Zygote:
             finally:
                 os._exit(120)
         os._exit(run_script(req["script"]))
-
-
-def _fork() -> int:
-    with warnings.catch_warnings():  # 3.12+ warns about forking with C threads
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return os.fork()
 
 
 def prepare_process(req: dict, out: int, err: int) -> None:

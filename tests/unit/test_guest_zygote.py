@@ -296,22 +296,3 @@ def test_add_entropy_reseeds_the_crng():
     calls = []
     restore.add_entropy(b"x" * 16, ioctl=lambda fd, op, *arg: calls.append(op))
     assert calls == [restore.RNDADDENTROPY, restore.RNDRESEEDCRNG]
-
-
-AGE = ("import os\n"
-       "start = int(open('/proc/self/stat').read().rsplit(')', 1)[1].split()[19])\n"
-       "up = float(open('/proc/uptime').read().split()[0])\n"
-       "print(up - start / os.sysconf('SC_CLK_TCK'), os.getpid() == os.getsid(0))")
-
-
-async def test_an_idle_zygote_has_a_spare_child_forked(client):
-    await run(client, code="pass")
-    await asyncio.sleep(0.6)  # idle: the zygote forks the next call's child in advance
-    age, leader = (await run(client, code=AGE)).stdout.split()
-    assert float(age) >= 0.3 and leader == "True"  # it was waiting; then became the call
-    code = "import random; print(random.getrandbits(64))"
-    values = set()
-    for _ in range(3):
-        await asyncio.sleep(0.1)
-        values.add((await run(client, code=code)).stdout)
-    assert len(values) == 3  # a spare reseeds when it gets its call, not when forked
