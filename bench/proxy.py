@@ -43,7 +43,7 @@ http {{
   access_log off;
   client_body_temp_path {dir}/body; proxy_temp_path {dir}/proxy;
   fastcgi_temp_path {dir}/fcgi; uwsgi_temp_path {dir}/uwsgi; scgi_temp_path {dir}/scgi;
-  upstream guest {{ server {addr}:8000; keepalive 64; }}
+  upstream guest {{ server {addr}:{upstream_port}; keepalive 64; }}
   server {{
     listen 127.0.0.1:{port};
     location / {{
@@ -110,10 +110,12 @@ def wait_ok(url: str, headers: dict[str, str]) -> None:
     raise SystemExit(f"{url} never answered")
 
 
-def start_nginx(addr: str, workdir: Path) -> tuple[subprocess.Popen, int]:
+def start_nginx(addr: str, workdir: Path,
+                upstream_port: int = 8000) -> tuple[subprocess.Popen, int]:
     port = free_port()
     conf = workdir / "nginx.conf"
-    conf.write_text(NGINX_CONF.format(dir=workdir, addr=addr, port=port))
+    conf.write_text(NGINX_CONF.format(dir=workdir, addr=addr, port=port,
+                                      upstream_port=upstream_port))
     binary = shutil.which("nginx") or "/usr/sbin/nginx"
     proc = subprocess.Popen([binary, "-c", str(conf), "-p", str(workdir), "-g", "daemon off;"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -31,6 +31,7 @@ from guest.execution import ExecOwner, Executor  # noqa: E402
 from guest.interpreter import ExecutionCollector, Interpreter  # noqa: E402
 from guest.keepawake import count_vetoes, ensure_dir, veto_dir  # noqa: E402
 from guest.processes import ManagedProcess, ProcessTable  # noqa: E402
+from guest.zygote import ZygoteManager  # noqa: E402
 from guest.protocol import (  # noqa: E402
     query_number,
     AGENT_PORT,
@@ -54,6 +55,8 @@ T = TypeVar("T")
 DISCONNECT_POLL = 0.25  # seconds between checks that an exec's client is still there
 MAX_JSON_BYTES = 16 * 1024 * 1024  # /exec bodies carry code; /files bodies are streamed
 MAX_WAIT = 3600.0  # seconds one GET /commands/{pid}/wait may block
+# What the zygote imports: written by the image build from the template's ``preload``.
+PRELOAD_FILE = "/opt/agentbox/zygote-preload"
 NDJSON = "application/x-ndjson"
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}
 
@@ -67,9 +70,12 @@ class Agent:
         setters: restore.SystemSetters,
         shell: str | None = None,
         python: str | None = None,
+        zygote_preload: tuple[str, ...] | None = (),
     ) -> None:
         self.owner = ExecOwner()
         self.executor = Executor(self.owner, shell)
+        if zygote_preload is not None:  # None: Python execs always start a plain python3
+            self.executor.zygote = ZygoteManager(self.executor.env, zygote_preload)
         self.interpreter = Interpreter(self.executor.env, python)
         self.processes = ProcessTable(self.executor.env, self.executor.shell)
         self.keepawake_dir = keepawake_dir
@@ -80,8 +86,12 @@ class Agent:
             ensure_dir(self.keepawake_dir)
         except OSError as exc:
             log.warning("cannot create %s: %s", self.keepawake_dir, exc)
+        if self.executor.zygote is not None:
+            self.executor.zygote.start_soon()  # warm before the golden snapshot is taken
         yield
         await self.owner.aclose()
+        if self.executor.zygote is not None:
+            await self.executor.zygote.aclose()
         await self.processes.aclose()
         await self.interpreter.aclose()
 
@@ -354,11 +364,14 @@ def create_app(
     setters: restore.SystemSetters | None = None,
     shell: str | None = None,
     python: str | None = None,
+    zygote_preload: tuple[str, ...] | None = (),
 ) -> web.Application:
     """The agent's aiohttp app; tests inject ``setters`` so the host clock is never touched.
 
-    ``python`` runs interpreter contexts (default: the agent's own interpreter)."""
-    agent = Agent(keepawake_dir or veto_dir(), setters or restore.SystemSetters(), shell, python)
+    ``python`` runs interpreter contexts (default: the agent's own interpreter).
+    ``zygote_preload``: what the exec zygote imports (None: no zygote)."""
+    agent = Agent(keepawake_dir or veto_dir(), setters or restore.SystemSetters(), shell, python,
+                  zygote_preload)
     app = web.Application(middlewares=[errors_to_json, durable_acks],
                           client_max_size=MAX_JSON_BYTES)
     app.cleanup_ctx.append(agent.lifespan)
@@ -394,11 +407,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default=env.get("AGENTBOX_AGENT_HOST", "0.0.0.0"))
     p.add_argument("--port", type=int, default=int(env.get("AGENTBOX_AGENT_PORT", AGENT_PORT)))
     p.add_argument("--keepawake-dir", default=veto_dir())
+    p.add_argument("--zygote-preload", default=env.get("AGENTBOX_ZYGOTE_PRELOAD"),
+                   help=f"modules the exec zygote imports, comma-separated; 'off' for no "
+                        f"zygote (default: {PRELOAD_FILE}, one a line)")
     return p.parse_args(argv)
 
 
+def zygote_preload(value: str | None, path: str = PRELOAD_FILE) -> tuple[str, ...] | None:
+    """The zygote's modules from ``--zygote-preload`` or the file the image build wrote."""
+    if value is None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                value = ",".join(f.read().split())
+        except OSError:
+            value = ""
+    if value.strip().lower() == "off":
+        return None
+    return tuple(name.strip() for name in value.split(",") if name.strip())
+
+
 async def serve(args: argparse.Namespace) -> None:
-    runner = web.AppRunner(create_app(keepawake_dir=args.keepawake_dir), access_log=None)
+    app = create_app(keepawake_dir=args.keepawake_dir,
+                     zygote_preload=zygote_preload(args.zygote_preload))
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
         await web.TCPSite(runner, args.host, args.port).start()

@@ -16,6 +16,10 @@ nowhere, so the child neither blocks on a full pipe nor dies of SIGPIPE.
 :class:`ExecOwner` owns everything an exec leaves around: the running process
 groups (their count is ``Health.running``) and those lingering pipes. On
 cancellation (client gone, agent shutting down) the group is SIGKILLed.
+
+Python code normally runs in a child forked from the warm zygote
+(``guest/zygote.py``) rather than a new ``python3``; everything above applies
+to that child alike (it is a session leader with our pipes as fds 1 and 2).
 """
 
 from __future__ import annotations
@@ -27,8 +31,15 @@ import signal
 import tempfile
 import time
 
+from typing import TYPE_CHECKING, Any
+
 from guest.errors import AgentError, BadRequest, InvalidCwd
 from guest.protocol import MAX_OUTPUT_BYTES, ExecRequest, ExecResult
+
+if TYPE_CHECKING:
+    from guest.zygote import ZygoteManager
+
+Proc = Any  # an asyncio.subprocess.Process, or a guest.zygote.ZygoteChild (same interface)
 
 READ_CHUNK = 64 * 1024  # the default Linux pipe capacity: one read empties a full pipe
 DRAIN_GRACE = 0.5  # seconds to collect output still in the pipes after the command ends
@@ -95,7 +106,7 @@ class ExecOwner:
     """Owns running exec process groups and the pipes their leftovers still hold."""
 
     def __init__(self) -> None:
-        self._running: set[asyncio.subprocess.Process] = set()
+        self._running: set[Proc] = set()
         self._lingering: set[PipeCapture] = set()
 
     @property
@@ -106,10 +117,10 @@ class ExecOwner:
     def lingering(self) -> int:
         return len(self._lingering)
 
-    def add(self, proc: asyncio.subprocess.Process) -> None:
+    def add(self, proc: Proc) -> None:
         self._running.add(proc)
 
-    def discard(self, proc: asyncio.subprocess.Process) -> None:
+    def discard(self, proc: Proc) -> None:
         self._running.discard(proc)
 
     def adopt(self, capture: PipeCapture) -> None:
@@ -161,6 +172,7 @@ class Executor:
         self.owner = owner
         self.shell = shell or find_shell()
         self.env = default_env(self.shell)
+        self.zygote: ZygoteManager | None = None  # Python code forks from it when set
 
     async def run(self, req: ExecRequest) -> ExecResult:
         env = {**self.env, **req.env}
@@ -169,7 +181,12 @@ class Executor:
         if req.code is not None and req.language == "python":
             script = _write_script(req.code)  # a file, not -c: real tracebacks, no ARG_MAX
         try:
-            return await self._run(self._argv(req, script), cwd, env, req.timeout)
+            spawned = None
+            if script is not None and self.zygote is not None:
+                spawned = await _fork_from_zygote(self.zygote, script, cwd, env)
+            if spawned is None:
+                spawned = await _spawn(self._argv(req, script), cwd, env)
+            return await self._run(spawned, req.timeout)
         finally:
             if script:
                 _unlink_quietly(script)
@@ -182,11 +199,10 @@ class Executor:
             return ["python3", "-u", script]
         return [self.shell if req.language == "bash" else "/bin/sh", "-c", req.code or ""]
 
-    async def _run(
-        self, argv: list[str], cwd: str, env: dict[str, str], timeout: float
-    ) -> ExecResult:
+    async def _run(self, spawned: tuple[Proc, tuple[PipeCapture, PipeCapture]],
+                   timeout: float) -> ExecResult:
         started = time.monotonic()
-        proc, pipes = await _spawn(argv, cwd, env)
+        proc, pipes = spawned
         self.owner.add(proc)
         try:
             timed_out = await _wait_or_kill(proc, timeout)
@@ -202,6 +218,10 @@ class Executor:
             if proc.returncode is None:
                 await asyncio.shield(_reap(proc))
         out, err = pipes
+        if getattr(proc, "lost", False):
+            for pipe in pipes:
+                pipe.close()
+            raise AgentError("the Python zygote died while the code ran; its result is unknown")
         result = ExecResult(
             stdout=out.text(),
             stderr=err.text(),
@@ -215,9 +235,34 @@ class Executor:
         return result
 
 
+async def _fork_from_zygote(
+    zygotes: ZygoteManager, script: str, cwd: str, env: dict[str, str]
+) -> tuple[Proc, tuple[PipeCapture, PipeCapture]] | None:
+    """Run ``script`` in a child of the warm zygote; None if it cannot (use python3)."""
+    zygote = await zygotes.get(env)
+    if zygote is None:
+        return None
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        child = await zygote.fork(script, cwd, env, out_w, err_w)
+    except BaseException:
+        os.close(out_r)
+        os.close(err_r)
+        raise
+    finally:
+        os.close(out_w)  # the zygote closed its copies once the child had them
+        os.close(err_w)
+    if child is None:
+        os.close(out_r)
+        os.close(err_r)
+        return None
+    return child, (PipeCapture(out_r), PipeCapture(err_r))
+
+
 async def _spawn(
     argv: list[str], cwd: str, env: dict[str, str]
-) -> tuple[asyncio.subprocess.Process, tuple[PipeCapture, PipeCapture]]:
+) -> tuple[Proc, tuple[PipeCapture, PipeCapture]]:
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     try:
@@ -250,7 +295,7 @@ def _spawn_error(exc: OSError, argv: list[str]) -> AgentError:
     return AgentError(f"cannot start {argv[0]}: {exc.strerror or exc}")
 
 
-async def _wait_or_kill(proc: asyncio.subprocess.Process, timeout: float) -> bool:
+async def _wait_or_kill(proc: Proc, timeout: float) -> bool:
     """Wait for the main process; on timeout kill its group. True if it timed out."""
     try:
         await asyncio.wait_for(proc.wait(), timeout)
@@ -261,14 +306,14 @@ async def _wait_or_kill(proc: asyncio.subprocess.Process, timeout: float) -> boo
         return True
 
 
-async def _reap(proc: asyncio.subprocess.Process) -> None:
+async def _reap(proc: Proc) -> None:
     try:
         await asyncio.wait_for(proc.wait(), REAP_TIMEOUT)
     except TimeoutError:
         pass  # stuck in uninterruptible sleep; the child watcher reaps it when it dies
 
 
-def _exit_code(proc: asyncio.subprocess.Process) -> int:
+def _exit_code(proc: Proc) -> int:
     return proc.returncode if proc.returncode is not None else TIMEOUT_EXIT_CODE
 
 

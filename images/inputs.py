@@ -55,7 +55,7 @@ class BuildInputs:
     def rootfs_key(self) -> str:
         return digest("rootfs", self.base_key, render_deb822(list(self.sources)),
                       self.spec.packages, self.spec.headroom_mib, self.guest_digest,
-                      self.rootfs_code)
+                      self.rootfs_code, self.spec.preload)
 
     @property
     def initrd_key(self) -> str:

@@ -108,6 +108,7 @@ def _rootfs(ctx: BuildContext, inputs: BuildInputs, cache: Path, images_dir: Pat
         rootfs.install_packages(ctx, tree, list(inputs.sources), inputs.spec.packages)
     with ctx.stage("guest"):
         guest_files = rootfs.install_guest(ctx, tree, inputs.guest_files)
+        rootfs.install_zygote_preload(tree, inputs.spec.preload)
         rootfs.finish_tree(tree)
         (out / PACKAGES).write_text(ctx.run(
             ["dpkg-query", f"--admindir={tree}/var/lib/dpkg", "-W",

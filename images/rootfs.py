@@ -26,6 +26,7 @@ from images.templates import BASE_PACKAGES
 SUITE = "bookworm"
 AGENT_DIR = "opt/agentbox"
 INIT_PATH = "sbin/agentbox-init"
+ZYGOTE_PRELOAD = f"{AGENT_DIR}/zygote-preload"  # guest.agent.PRELOAD_FILE
 MIN_DISK_MIB = 1024
 GUEST_USER = "user"  # unprivileged account for sandbox code that should not be root
 
@@ -148,6 +149,12 @@ def install_guest(ctx: BuildContext, tree: Path, files: Files) -> list[str]:
     # Byte-compile now: under TCG the first import would otherwise cost seconds.
     chroot(ctx, tree, "python3", "-m", "compileall", "-q", f"/{AGENT_DIR}")
     return sorted(contents)
+
+
+def install_zygote_preload(tree: Path, modules: tuple[str, ...]) -> None:
+    """What the guest agent's execute zygote imports (read by guest/agent.py at start)."""
+    (tree / ZYGOTE_PRELOAD).parent.mkdir(parents=True, exist_ok=True)
+    (tree / ZYGOTE_PRELOAD).write_text("".join(f"{m}\n" for m in modules))
 
 
 def finish_tree(tree: Path) -> None:

@@ -21,12 +21,18 @@ class TemplateSpec:
     mem_mib: int                # default guest RAM
     warmup: str                 # Python run in the guest before the golden snapshot
     headroom_mib: int = 1024    # free space left in the root file system
+    # Modules the guest's execute zygote imports once, so each Python execute (a fork of
+    # it) starts with them loaded; () = the stdlib modules the zygote needs itself.
+    preload: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name.replace("-", "").isalnum():
             raise ValueError(f"template name must be alphanumeric with dashes: {self.name!r}")
         if self.mem_mib < 128:
             raise ValueError(f"{self.name}: mem_mib must be >= 128, got {self.mem_mib}")
+        for module in self.preload:
+            if not all(part.isidentifier() for part in module.split(".")):
+                raise ValueError(f"{self.name}: preload entry is not a module name: {module!r}")
 
 
 SPECS: dict[str, TemplateSpec] = {spec.name: spec for spec in (
@@ -35,6 +41,7 @@ SPECS: dict[str, TemplateSpec] = {spec.name: spec for spec in (
         packages=("python3-pip", "python3-venv"),
         mem_mib=512,
         warmup="import json, os, re, subprocess, sys, asyncio, pathlib, datetime\n",
+        preload=("asyncio", "datetime", "json", "pathlib", "re", "subprocess"),
     ),
     TemplateSpec(
         name="minimal",
@@ -64,6 +71,8 @@ SPECS: dict[str, TemplateSpec] = {spec.name: spec for spec in (
             "import numpy, pandas, matplotlib.pyplot\n"
         ),
         headroom_mib=2048,
+        preload=("asyncio", "datetime", "json", "pathlib", "re", "subprocess",
+                 "numpy", "pandas", "matplotlib", "matplotlib.pyplot"),
     ),
 )}
 

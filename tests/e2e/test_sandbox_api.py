@@ -52,6 +52,24 @@ def test_python_code_and_shell_command(api, sandbox):
     assert res["stdout"] == "bar\n/tmp\n"
 
 
+ZYGOTE_PROBE = ("import os, random\n"
+                "parent = open(f'/proc/{os.getppid()}/cmdline').read()\n"
+                "print('zygote_worker.py' in parent, random.getrandbits(64))")
+
+
+def test_python_code_zygote_forks_differ_across_calls_and_clones(api, sandbox):
+    # Both sandboxes restore the same golden snapshot, zygote included: its random state
+    # must be reseeded per fork, or clones (and calls) would draw the same numbers.
+    other = api.post("/v1/sandboxes", json={"template": "python"}).json()
+    try:
+        draws = [run(api, sid, code=ZYGOTE_PROBE)["stdout"].split()
+                 for sid in (sandbox["id"], sandbox["id"], other["id"])]
+        assert all(used == "True" for used, _ in draws), draws  # forked from the zygote
+        assert len({value for _, value in draws}) == 3, draws
+    finally:
+        api.delete(f"/v1/sandboxes/{other['id']}")
+
+
 def test_upload_download_10mib_byte_exact(api, sandbox):
     data = os.urandom(10 * 1024 * 1024)
     sid = sandbox["id"]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from images import catalog, manifest
+from guest.agent import zygote_preload
+from images import catalog, manifest, rootfs
 from images.debs import DebPackage
 from images.hashing import digest, files_digest, snapshot_files
 from images.inputs import BuildInputs
@@ -121,6 +122,7 @@ def test_template_hash_is_stable(tmp_path: Path) -> None:
     {"spec": SPECS["minimal"]},
     {"spec": dataclasses.replace(SPECS["python"], packages=("python3-pip",))},
     {"spec": dataclasses.replace(SPECS["python"], warmup="import os")},
+    {"spec": dataclasses.replace(SPECS["python"], preload=("json",))},
     {"mirror": AptSource("http://other.example/debian", ("bookworm",), ("main",))},
     {"rootfs_code": "new"},
     {"initrd_code": "new"},
@@ -222,3 +224,14 @@ def test_templates_are_the_contracted_four() -> None:
     assert "python3-numpy" not in SPECS["python"].packages
     for name in ("python", "python-datascience"):
         compile(SPECS[name].warmup, name, "exec")
+
+
+def test_zygote_preload_per_template(tmp_path: Path) -> None:
+    assert {"numpy", "pandas", "matplotlib.pyplot"} <= set(SPECS["python-datascience"].preload)
+    assert SPECS["minimal"].preload == () and "numpy" not in SPECS["python"].preload
+    with pytest.raises(ValueError, match="preload"):
+        dataclasses.replace(SPECS["python"], preload=("numpy; import os",))
+    new = _inputs(tmp_path, spec=dataclasses.replace(SPECS["python"], preload=("json",)))
+    assert new.rootfs_key != _inputs(tmp_path).rootfs_key  # the list is a file in the rootfs
+    rootfs.install_zygote_preload(tmp_path, ("numpy", "pandas"))
+    assert zygote_preload(None, str(tmp_path / rootfs.ZYGOTE_PRELOAD)) == ("numpy", "pandas")

@@ -128,7 +128,16 @@ async def upstream_app() -> web.Application:
         await resp.write_eof()
         return resp
 
+    async def late_body(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"X-Early": "1"})
+        await resp.prepare(request)
+        await asyncio.sleep(0.6)
+        await resp.write(b"late")
+        await resp.write_eof()
+        return resp
+
     app = web.Application(client_max_size=1 << 30)
+    app.router.add_get("/late-body", late_body)
     app.router.add_get("/sse", sse)
     app.router.add_route("*", "/echo{tail:.*}", echo)
     app.router.add_get("/chunked", chunked)
@@ -255,6 +264,16 @@ async def test_server_sent_events_count_as_a_stream(env):
         assert first == b"data: 0\n\n" and env.service.streams == 1
         assert (await r.read()).count(b"data:") == 2
     assert env.service.streams == 0
+
+
+async def test_headers_of_a_body_still_streaming_are_sent_at_once(env):
+    # Only a body that has fully arrived is coalesced with the headers into one write.
+    started = time.monotonic()
+    async with env.client.get("/late-body", headers=auth(env)) as r:
+        assert r.headers["X-Early"] == "1" and time.monotonic() - started < 0.5
+        assert await r.read() == b"late"
+    r = await env.client.get("/echo", headers=auth(env))
+    assert r.status == 200 and (await r.json())["method"] == "GET"
 
 
 async def test_port_closed_is_502(env):

@@ -1,0 +1,296 @@
+"""The gateway's own proxy cost: direct vs our gateway vs nginx, to a fast host-local upstream.
+
+No VM is in the path. Three processes on loopback:
+
+* upstream - a minimal asyncio (uvloop) HTTP/1.1 server: ``GET /small`` = 512 bytes, keep-alive
+* gateway  - the daemon's real app (``gateway.app.build_app``: every middleware, the preview
+  router, token check, ``gateway.proxy`` and its connection pool, run as ``serve()`` runs it:
+  uvloop, no access log), with one change: the lifecycle that would load goldens and start VMs
+  is replaced by a registry holding one RUNNING sandbox and a sandbox service whose ``use()``
+  goes through a real ``SandboxController`` (admission, pacing, activity) whose machine's guest
+  address is the upstream. Requests use ``Host: {port}-{id}.localhost`` + ``X-AgentBox-Token``.
+* nginx    - nginx 1.22, 1 worker, keepalive upstream, buffering off (as bench/proxy.py)
+
+wrk (``-t1``) at 1 and 64 connections; rounds interleave the targets (order rotated each round),
+so every target sees the same machine conditions. Reports medians and min-max over rounds, the
+ratio gateway/nginx req/s, and the p50 the gateway adds over direct at 1 connection.
+
+usage: .venv/bin/python bench/gateway.py [--rounds 5] [--duration 5] [--connections 1,64]
+       [--profile FILE]   (cProfile the gateway process during one extra 64-connection run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from _common import REPO
+from proxy import SMALL, ensure_tools, free_port, start_nginx, wait_ok, wrk
+
+SID = "0123456789abcdef"
+RESPONSE = (b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(SMALL), SMALL.encode()))
+
+
+# -- the upstream --------------------------------------------------------------------------
+
+class Upstream(asyncio.Protocol):
+    """Answers every request head with RESPONSE (GETs without bodies only: enough here)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.buf = b""
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        count = self.buf.count(b"\r\n\r\n")
+        if count:
+            self.buf = self.buf.rsplit(b"\r\n\r\n", 1)[1]
+            self.transport.write(RESPONSE * count)  # type: ignore[attr-defined]
+
+
+async def serve_upstream(port: int) -> None:
+    server = await asyncio.get_running_loop().create_server(Upstream, "127.0.0.1", port,
+                                                            backlog=1024)
+    async with server:
+        await server.serve_forever()
+
+
+# -- the gateway ---------------------------------------------------------------------------
+
+def gateway_app(data_dir: Path, upstream_port: int, token_file: Path):  # type: ignore[no-untyped-def]
+    from aiohttp import web
+
+    from gateway import app as app_mod
+    from gateway import at_rest
+    from gateway.api import SERVICE_KEY
+    from gateway.config import Config, ServerConfig
+    from gateway.controller import HoldCounter, SandboxController
+    from gateway.core import Policy
+    from gateway.lifecycle import State
+    from gateway.middleware import REGISTRY_KEY
+    from gateway.preview_auth import ACCESS_KEY
+    from gateway.registry import Registry, SandboxRecord
+    from gateway.sandboxes import current_wake
+
+    config = Config(server=ServerConfig(data_dir=data_dir))
+    app = app_mod.build_app(config)
+    assert app.cleanup_ctx[0] is app_mod._lifecycle  # the one piece that needs VMs
+
+    class BenchService:
+        """SandboxService.use() without a VM: registry lookup, then the real controller."""
+
+        def __init__(self, registry: Registry) -> None:
+            self.registry, self.config = registry, config
+            rec = registry.get(SID)
+            machine = SimpleNamespace(
+                plan=SimpleNamespace(slot=SimpleNamespace(guest_addr="127.0.0.1")),
+                driver=SimpleNamespace(pid=1, started_at=1.0), require_agent=lambda: None,
+                vmm_record=lambda: None)
+            self.ctl = SandboxController(rec, machine, registry, Policy(), HoldCounter(),
+                                         lambda aw, name: asyncio.ensure_future(aw))
+
+        def get(self, tenant: str, sandbox_id: str) -> SandboxRecord:
+            rec = self.registry.get(sandbox_id)
+            assert rec is not None and rec.tenant == tenant
+            return rec
+
+        @contextlib.asynccontextmanager
+        async def use(self, tenant: str, sandbox_id: str):  # type: ignore[no-untyped-def]
+            self.get(tenant, sandbox_id)
+            async with self.ctl.request() as wake:
+                current_wake.set(wake)
+                yield self.ctl.machine
+
+        use_stream = use
+
+    async def lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
+        at_rest.private_dir(data_dir)  # as the real lifecycle does
+        registry = Registry(data_dir / "registry.sqlite")
+        key, _ = registry.create_key("bench")
+        now = time.time()
+        registry.insert_sandbox(SandboxRecord(
+            id=SID, tenant=key.id, template="python", state=State.RUNNING, slot=0, root="/x",
+            golden="/g", idle_timeout=0, host="h", created_at=now, updated_at=now,
+            last_activity=now))
+        app[REGISTRY_KEY] = registry
+        app[SERVICE_KEY] = BenchService(registry)  # type: ignore[assignment]
+        yield
+        registry.close()
+
+    async def announce(app: web.Application) -> None:
+        token_file.write_text(app[ACCESS_KEY].get(SID).token)
+
+    app.cleanup_ctx[0] = lifecycle
+    app.on_startup.append(announce)
+    return app
+
+
+def run_gateway(args: argparse.Namespace) -> None:
+    import uvloop
+    from aiohttp import web
+
+    app = gateway_app(Path(args.data_dir), args.upstream_port, Path(args.token_file))
+    profiler = None
+    if args.profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        signal.signal(signal.SIGUSR1, lambda *_: profiler.enable())
+        signal.signal(signal.SIGUSR2, lambda *_: (profiler.disable(),
+                                                  profiler.dump_stats(args.profile)))
+    web.run_app(app, host="127.0.0.1", port=args.port, loop=uvloop.new_event_loop(),
+                print=None, access_log=None, handler_cancellation=True, auto_decompress=False)
+
+
+# -- the driver ----------------------------------------------------------------------------
+
+def spawn(*argv: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv],
+                            cwd=REPO, stdout=subprocess.DEVNULL)
+
+
+def wait_file(path: Path, proc: subprocess.Popen) -> str:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text():
+            return path.read_text()
+        if proc.poll() is not None:
+            raise SystemExit(f"the gateway exited ({proc.returncode})")
+        time.sleep(0.1)
+    raise SystemExit("the gateway never started")
+
+
+def stop(proc: subprocess.Popen | None, sig: int = signal.SIGTERM) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def spread(values: list[float], fmt: str = "{:.0f}") -> str:
+    med = statistics.median(values)
+    return f"{fmt.format(med)} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+def summarise(results: dict[tuple[str, int], list[dict[str, float]]], conns: list[int]) -> None:
+    print("\nmedian over rounds (min-max)")
+    print(f"{'target':<8} {'conns':>5} {'req/s':>22} {'p50 ms':>22} {'p99 ms':>22}")
+    for c in conns:
+        for name in ("direct", "gateway", "nginx"):
+            rs = results[name, c]
+            print(f"{name:<8} {c:>5} {spread([r['rps'] for r in rs]):>22} "
+                  f"{spread([r['p50'] for r in rs], '{:.3f}'):>22} "
+                  f"{spread([r['p99'] for r in rs], '{:.3f}'):>22}")
+    for c in conns:
+        g, n, d = (results[t, c] for t in ("gateway", "nginx", "direct"))
+        ratio = [a["rps"] / b["rps"] for a, b in zip(g, n, strict=True)]
+        added = [a["p50"] - b["p50"] for a, b in zip(g, d, strict=True)]
+        added_ng = [a["p50"] - b["p50"] for a, b in zip(n, d, strict=True)]
+        print(f"{c:>2} conn: gateway/nginx req/s {spread(ratio, '{:.2f}')}; p50 added over direct:"
+              f" gateway {spread(added, '{:.3f}')} ms, nginx {spread(added_ng, '{:.3f}')} ms")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--duration", type=int, default=5)
+    parser.add_argument("--connections", default="1,64")
+    parser.add_argument("--profile", help="write a cProfile of the gateway (64 conns) here")
+    sub = parser.add_subparsers(dest="role")
+    up = sub.add_parser("upstream")
+    up.add_argument("--port", type=int, required=True)
+    gw = sub.add_parser("gateway")
+    for name in ("--port", "--upstream-port"):
+        gw.add_argument(name, type=int, required=True)
+    gw.add_argument("--data-dir", required=True)
+    gw.add_argument("--token-file", required=True)
+    gw.add_argument("--profile")
+    args = parser.parse_args()
+    if args.role == "upstream":
+        import uvloop
+
+        uvloop.run(serve_upstream(args.port))
+        return
+    if args.role == "gateway":
+        run_gateway(args)
+        return
+    drive(args)
+
+
+def drive(args: argparse.Namespace) -> None:
+    ensure_tools()
+    conns = [int(c) for c in args.connections.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="agentbox-bench-gw-"))
+    up_port, gw_port = free_port(), free_port()
+    upstream = gateway = nginx = None
+    try:
+        upstream = spawn("upstream", "--port", str(up_port))
+        token_file = work / "token"
+        extra = ["--profile", args.profile] if args.profile else []
+        gateway = spawn("gateway", "--port", str(gw_port), "--upstream-port", str(up_port),
+                        "--data-dir", str(work / "data"), "--token-file", str(token_file),
+                        *extra)
+        token = wait_file(token_file, gateway)
+        nginx, ng_port = start_nginx("127.0.0.1", work, upstream_port=up_port)
+        host = f"{up_port}-{SID}.localhost"
+        targets = {
+            "direct": (f"http://127.0.0.1:{up_port}/small", {}),
+            "gateway": (f"http://127.0.0.1:{gw_port}/small",
+                        {"Host": host, "X-AgentBox-Token": token}),
+            "nginx": (f"http://127.0.0.1:{ng_port}/small", {"Host": host}),
+        }
+        for url, headers in targets.values():
+            wait_ok(url, headers)
+            wrk(url, 8, 2, headers)  # warm up
+        results: dict[tuple[str, int], list[dict[str, float]]] = {}
+        names = list(targets)
+        print(f"{'round':>5} {'target':<8} {'conns':>5} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+        for rnd in range(args.rounds):
+            order = names[rnd % 3:] + names[:rnd % 3]  # rotate: no target always goes first
+            for c in conns:
+                for name in order:
+                    url, headers = targets[name]
+                    r = wrk(url, c, args.duration, headers)
+                    results.setdefault((name, c), []).append(r)
+                    print(f"{rnd:>5} {name:<8} {c:>5} {r['rps']:>9.0f} {r['p50']:>8.3f} "
+                          f"{r['p99']:>8.3f}{'  (errors!)' if r['errors'] else ''}", flush=True)
+        summarise(results, conns)
+        if args.profile:
+            gateway.send_signal(signal.SIGUSR1)
+            wrk(*targets["gateway"][:1], 64, args.duration, targets["gateway"][1])
+            gateway.send_signal(signal.SIGUSR2)
+            time.sleep(2)
+            import pstats
+
+            print(f"\nprofile of the gateway at 64 connections ({args.profile}), by own time:")
+            stats = pstats.Stats(args.profile)
+            stats.sort_stats("tottime").print_stats(30)
+            stats.sort_stats("cumulative").print_stats(40)
+    finally:
+        if nginx is not None:
+            stop(nginx, signal.SIGQUIT)
+        stop(gateway)
+        stop(upstream)
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
+    main()

@@ -1,0 +1,304 @@
+"""The agent's side of the warm zygote (``guest/zygote_worker.py``) for Python ``/exec``.
+
+Theory of operation. ``python3 -u FILE`` under emulation costs ~200 ms before
+the first line of user code runs, nearly all of it interpreter start-up and
+imports. The zygote pays that once: it starts with the agent (so a golden
+snapshot holds it, warm), imports what the template asks for, and forks one
+child per exec. The child is a fresh process in every way that user code can
+observe except the ones documented in docs/guest-agent.md (it shares the zygote's
+str hash seed; more modules are already in ``sys.modules``).
+
+:class:`ZygoteChild` quacks like the ``asyncio.subprocess.Process`` that
+:class:`guest.execution.Executor` waits for, so timeouts (``killpg`` of the
+child's session), output capture, the exec owner and ``Health.running`` work as
+for any command. The zygote reports each child's exit status over the control
+socket; if the zygote itself dies, its children's groups are killed and their
+execs fail (``lost``), since nobody can tell how they ended.
+
+:class:`ZygoteManager` decides, per exec, whether the zygote may run it: it
+must be up (a start in progress is waited for, so a golden snapshot's warm-up
+exec waits until the zygote is warm), and the call must not depend on anything
+fixed at interpreter start-up: the ``python3`` that ``PATH`` finds, and the
+variables in :func:`startup_env` (``PYTHON*``, locale, ``HOME``, ...). Anything
+else runs as plain ``python3`` (the fallback). A zygote that reports itself
+stale, dies, or was started with a base env that ``/init`` has since changed is
+replaced by a new one; old ones finish their running children first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+
+from guest.execution import kill_group
+
+log = logging.getLogger("agentbox.guest.zygote")
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote_worker.py")
+START_TIMEOUT = 120.0  # preloading pandas + matplotlib under TCG takes many seconds
+RETRY_AFTER = 30.0  # after a failed start, execs use plain python3 for this long
+MAX_MESSAGE = 256 * 1024  # larger requests (huge env) go the plain python3 way
+STOP_TIMEOUT = 5.0
+_STARTUP_NAMES = {"HOME", "LANG", "LANGUAGE", "TZ", "MPLBACKEND", "MPLCONFIGDIR",
+                  "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                  "LD_PRELOAD", "LD_LIBRARY_PATH"}
+
+
+def startup_env(env: dict[str, str]) -> dict[str, str]:
+    """The part of ``env`` a Python process reads once, at start-up or first import."""
+    return {k: v for k, v in env.items()
+            if k in _STARTUP_NAMES or k.startswith(("PYTHON", "LC_"))}
+
+
+def which_python(env: dict[str, str]) -> str | None:
+    return shutil.which("python3", path=env.get("PATH", os.defpath))
+
+
+class ZygoteLost(Exception):
+    """The zygote died while a child of it ran: its exit status is unknown."""
+
+
+class ZygoteChild:
+    """One forked exec, waited for like an ``asyncio.subprocess.Process``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self.lost = False
+        self._done = asyncio.get_running_loop().create_future()
+
+    async def wait(self) -> int:
+        await asyncio.shield(self._done)
+        assert self.returncode is not None
+        return self.returncode
+
+    def exited(self, returncode: int, lost: bool = False) -> None:
+        if not self._done.done():
+            self.returncode, self.lost = returncode, lost
+            self._done.set_result(None)
+
+
+class Zygote:
+    """One zygote process and its control socket."""
+
+    def __init__(self, python: str, env: dict[str, str], preload: tuple[str, ...]) -> None:
+        self.python, self.env, self.preload = python, dict(env), preload
+        self.startup = startup_env(env)
+        self.proc: asyncio.subprocess.Process | None = None
+        self.sock: socket.socket | None = None
+        self.stale = False
+        self.started_ms = 0.0
+        self._loop = asyncio.get_running_loop()
+        self._ready = self._loop.create_future()
+        self._replies: dict[int, asyncio.Future[dict]] = {}
+        self._children: dict[int, ZygoteChild] = {}
+        self._next_id = 0
+
+    @property
+    def alive(self) -> bool:
+        return self.sock is not None
+
+    async def start(self) -> None:
+        started = time.monotonic()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                self.python, "-u", WORKER, str(theirs.fileno()), *self.preload,
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),), cwd="/", env=self.env, start_new_session=True)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        self.sock = ours
+        self._loop.add_reader(ours.fileno(), self._readable)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._ready), START_TIMEOUT)
+        except BaseException:
+            await self.aclose()
+            raise
+        self.started_ms = (time.monotonic() - started) * 1000
+
+    def _readable(self) -> None:
+        assert self.sock is not None
+        try:
+            data = self.sock.recv(MAX_MESSAGE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._gone()
+            return
+        self._handle(json.loads(data))
+
+    def _handle(self, msg: dict) -> None:
+        if msg.get("type") == "ready":
+            if not self._ready.done():
+                self._ready.set_result(None)
+        elif "returncode" in msg:
+            child = self._children.pop(msg["pid"], None)
+            if child is not None:
+                child.exited(msg["returncode"])
+        else:
+            reply = self._replies.pop(msg["id"], None)
+            if reply is not None and not reply.done():
+                reply.set_result(msg)
+            elif "pid" in msg:  # its exec was cancelled before the pid came back
+                kill_group(msg["pid"])
+
+    def _gone(self) -> None:
+        """The control socket hit EOF: the zygote exited (stale, killed, crashed)."""
+        if self.sock is not None:
+            self._loop.remove_reader(self.sock.fileno())
+            self.sock.close()
+            self.sock = None
+        if not self._ready.done():
+            self._ready.set_exception(ZygoteLost("the zygote exited before it was ready"))
+        for reply in self._replies.values():
+            if not reply.done():
+                reply.set_exception(ZygoteLost("the zygote exited"))
+        self._replies.clear()
+        for child in self._children.values():
+            kill_group(child.pid)
+            child.exited(-9, lost=True)
+        self._children.clear()
+
+    async def fork(self, script: str, cwd: str, env: dict[str, str],
+                   out_w: int, err_w: int) -> ZygoteChild | None:
+        """Fork a child running ``script``; None if the zygote cannot (stale, gone)."""
+        if self.sock is None or self.stale:
+            return None
+        self._next_id += 1
+        msg = json.dumps({"id": self._next_id, "script": script, "cwd": cwd, "env": env})
+        if len(msg) > MAX_MESSAGE:
+            return None
+        reply = self._loop.create_future()
+        self._replies[self._next_id] = reply
+        try:
+            socket.send_fds(self.sock, [msg.encode()], [out_w, err_w])
+        except OSError as exc:
+            self._replies.pop(self._next_id, None)
+            log.warning("zygote: cannot send a request: %s", exc)
+            return None
+        try:
+            answer = await reply
+        except ZygoteLost:
+            return None
+        if answer.get("stale"):
+            self.stale = True
+            return None
+        if "pid" not in answer:
+            log.warning("zygote: %s", answer.get("error"))
+            return None
+        child = ZygoteChild(answer["pid"])
+        self._children[child.pid] = child
+        return child
+
+    def retire(self) -> None:
+        """Ask the zygote to exit once its running children are done."""
+        self.stale = True
+        if self.sock is not None:
+            try:
+                self.sock.send(json.dumps({"retire": True}).encode())
+            except OSError:
+                pass
+
+    async def aclose(self) -> None:
+        """Stop the zygote (its running children are the exec owner's to kill)."""
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.terminate()
+            try:
+                await asyncio.wait_for(self.proc.wait(), STOP_TIMEOUT)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        self._gone()
+
+
+class ZygoteManager:
+    """Keeps one current zygote for the exec base env; says which one may run an exec."""
+
+    def __init__(self, base_env: dict[str, str], preload: tuple[str, ...] = ()) -> None:
+        self.base_env = base_env  # the Executor's (``/init`` updates it in place)
+        self.preload = preload
+        self.current: Zygote | None = None
+        self._starting: asyncio.Task[Zygote | None] | None = None
+        self._old: set[Zygote] = set()
+        self._failed_at = -RETRY_AFTER
+        self._closed = False
+
+    def start_soon(self) -> None:
+        if self._starting is None and not self._closed:
+            self._starting = asyncio.create_task(self._start(), name="zygote-start")
+
+    async def _start(self) -> Zygote | None:
+        python = which_python(self.base_env)
+        if python is None:
+            return None
+        zygote = Zygote(python, self.base_env, self.preload)
+        try:
+            await zygote.start()
+        except Exception as exc:
+            log.warning("zygote did not start (execs use plain python3): %s", exc)
+            self._failed_at = time.monotonic()
+            return None
+        log.info("zygote ready in %.0f ms (preloaded: %s)", zygote.started_ms,
+                 ", ".join(self.preload) or "stdlib only")
+        return zygote
+
+    async def get(self, env: dict[str, str]) -> Zygote | None:
+        """The zygote that may run an exec with ``env``, or None: use plain python3."""
+        zygote = await self._current()
+        if zygote is None or startup_env(env) != zygote.startup:
+            return None
+        if which_python(env) != zygote.python:
+            return None  # another python3 first on PATH (a venv): it is not ours
+        return zygote
+
+    async def _current(self) -> Zygote | None:
+        zygote = self.current
+        if zygote is not None and (not zygote.alive or zygote.stale
+                                   or startup_env(self.base_env) != zygote.startup):
+            self._retire(zygote)
+            zygote = None
+        if zygote is None and self._starting is None:
+            if time.monotonic() - self._failed_at < RETRY_AFTER or self._closed:
+                return None
+            self.start_soon()
+        if self._starting is not None:
+            task = self._starting
+            zygote = await asyncio.shield(task)
+            if self._starting is task:
+                self._starting, self.current = None, zygote
+        return self.current
+
+    def _retire(self, zygote: Zygote) -> None:
+        self.current = None
+        zygote.retire()  # it exits by itself once its children are done
+        self._old = {z for z in self._old if z.alive}
+        if zygote.alive:
+            self._old.add(zygote)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        if self._starting is not None:
+            self._starting.cancel()
+            try:
+                zygote = await self._starting
+            except BaseException:
+                zygote = None
+            if zygote is not None:
+                self._old.add(zygote)
+        if self.current is not None:
+            self._old.add(self.current)
+        self.current = None
+        for zygote in list(self._old):
+            await zygote.aclose()
+        self._old.clear()

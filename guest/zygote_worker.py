@@ -1,0 +1,248 @@
+"""The warm zygote behind Python ``execute``: imports once, forks a fresh child per call.
+
+Started by ``guest/zygote.py`` as ``python3 -u zygote_worker.py CTL_FD [MODULE ...]``.
+Stdlib only, and nothing from the agent: its children run user code, and they
+must look like ``python3 -u FILE`` did it.
+
+Theory of operation. At start we import the template's modules (``MODULE ...``),
+then answer on CTL_FD, a SOCK_SEQPACKET socket: one JSON message ``ready``, then
+per request ``{"id", "script", "cwd", "env"}`` (with the exec's stdout and stderr
+write ends as SCM_RIGHTS) we fork and answer ``{"id", "pid"}`` (or ``{"id",
+"error"}``), and when that child exits ``{"pid", "returncode"}`` (``-N`` for
+signal N, as asyncio reports it). We are the children's parent, so we reap them:
+each gets a pidfd, which we select on with the socket (no SIGCHLD handler, so
+the children inherit no signal state of ours).
+
+Nothing leaks between calls because the zygote itself never runs user code:
+every call starts from a copy of the same untouched process. The child makes
+itself look like a fresh interpreter: a new session (its pgid is its pid, so the
+agent's ``killpg`` on timeout reaches its whole tree), stdin /dev/null, fds 1/2
+the exec's pipes, every other fd closed, the request's cwd and exact env, a new
+``__main__``, ``sys.argv``/``sys.path[0]`` as for a script, import caches
+invalidated, and random state reseeded: a golden snapshot holds this process,
+so every clone of it would otherwise draw the same ``random``/numpy numbers.
+
+Staleness: a package installed after we started (pip into a site dir, a new user
+site) would be invisible to our children though a fresh ``python3`` sees it. We
+remember the mtimes of the ``sys.path`` directories; when one changes we refuse
+new forks (``{"id", "stale": true}``) and exit once our children are done. The
+agent then runs that call with plain ``python3`` and starts a new zygote.
+"""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import gc
+import importlib
+import importlib.machinery
+import json
+import os
+import selectors
+import signal
+import site
+import socket
+import sys
+import threading  # loaded here, not in each child's shutdown
+import types
+import warnings
+
+MAX_MESSAGE = 256 * 1024
+TOP_FD = 1 << 20  # closerange end: the kernel clamps it to what is open
+
+
+def watched_dirs() -> dict[str, int]:
+    """The directories whose change means a fresh python3 would see other packages."""
+    paths = [p for p in sys.path if p] + [site.getusersitepackages()]
+    return {p: _mtime(p) for p in dict.fromkeys(paths)}
+
+
+def _mtime(path: str) -> int:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return -1
+
+
+class Zygote:
+    def __init__(self, ctl: socket.socket) -> None:
+        self.ctl = ctl
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(ctl, selectors.EVENT_READ)
+        self.children: dict[int, int] = {}  # pidfd -> pid
+        self.watch = watched_dirs()
+        self.stale = False
+
+    def send(self, msg: dict) -> None:
+        self.ctl.send(json.dumps(msg).encode())
+
+    def serve(self) -> None:
+        self.send({"type": "ready", "pid": os.getpid(), "python": sys.executable})
+        while self.children or not self.stale:
+            for key, _ in self.sel.select():
+                if key.fileobj is self.ctl:
+                    if not self.receive():
+                        return  # the agent is gone: our children are init's now
+                else:
+                    self.reap(key.fd)
+
+    def receive(self) -> bool:
+        try:
+            data, fds, _, _ = socket.recv_fds(self.ctl, MAX_MESSAGE, 2)
+        except InterruptedError:
+            return True
+        if not data:
+            return False
+        try:
+            req = json.loads(data)
+            if req.get("retire"):  # the agent has a newer zygote: finish and exit
+                self.stale = True
+            else:
+                self.start(req, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return True
+
+    def start(self, req: dict, fds: list[int]) -> None:
+        if self.stale or self.watch != watched_dirs():
+            self.stale = True
+            self.send({"id": req["id"], "stale": True})
+            return
+        try:
+            with warnings.catch_warnings():  # 3.12+ warns about forking with C threads
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+        except OSError as exc:
+            self.send({"id": req["id"], "error": f"fork: {exc}"})
+            return
+        if pid == 0:
+            self.become_child(req, fds)  # never returns
+        pidfd = os.pidfd_open(pid)
+        self.children[pidfd] = pid
+        self.sel.register(pidfd, selectors.EVENT_READ)
+        self.send({"id": req["id"], "pid": pid})
+
+    def reap(self, pidfd: int) -> None:
+        pid = self.children.pop(pidfd)
+        self.sel.unregister(pidfd)
+        os.close(pidfd)
+        _, status = os.waitpid(pid, 0)
+        self.send({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
+
+    def become_child(self, req: dict, fds: list[int]) -> None:
+        try:
+            out, err = fds
+            self.sel.close()
+            self.ctl.close()
+            for pidfd in self.children:
+                os.close(pidfd)
+            prepare_process(req, out, err)
+        except BaseException as exc:  # nothing of ours may run on in the child
+            try:
+                os.write(2, f"agentbox zygote: cannot start: {exc!r}\n".encode())
+            finally:
+                os._exit(120)
+        os._exit(run_script(req["script"]))
+
+
+def prepare_process(req: dict, out: int, err: int) -> None:
+    """Turn the forked copy into what ``python3 -u SCRIPT`` would have started as."""
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    os.closerange(3, TOP_FD)
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    script = req["script"]
+    sys.argv[:] = [script]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    importlib.invalidate_caches()
+    reseed()
+
+
+def reseed() -> None:
+    """Fresh random state per child: ``random`` (and numpy's global RNG if loaded)."""
+    random = sys.modules.get("random")
+    if random is not None:
+        random.seed()
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:
+        np_random.seed()
+
+
+def run_script(path: str) -> int:
+    """Run ``path`` as ``__main__`` and return the exit status python3 would have."""
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __builtins__=builtins, __cached__=None,
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+    sys.modules["__main__"] = main
+    status = 0
+    try:
+        with open(path, "rb") as f:
+            source = f.read()
+        exec(compile(source, path, "exec"), main.__dict__)
+    except SystemExit as exc:
+        status = exit_status(exc)
+    except BaseException as exc:
+        tb = exc.__traceback__
+        # Drop our own frame (the exec above); a SyntaxError has no frame of the script.
+        exc.__traceback__ = tb.tb_next if tb is not None else None
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        status = 1
+        if isinstance(exc, KeyboardInterrupt):
+            status = -signal.SIGINT
+    return finish(status)
+
+
+def exit_status(exc: SystemExit) -> int:
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        print(code, file=sys.stderr)
+    except Exception:
+        pass
+    return 1
+
+
+def finish(status: int) -> int:
+    """What interpreter shutdown does before exit: threads, atexit, flushing."""
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # wait for non-daemon threads
+    except BaseException:
+        pass
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    if status < 0:  # killed by SIGINT, as python3 re-raises it
+        signal.signal(-status, signal.SIG_DFL)
+        os.kill(os.getpid(), -status)
+    return status
+
+
+def main(argv: list[str]) -> None:
+    ctl = socket.socket(fileno=int(argv[1]))
+    del sys.path[0]  # our own directory: user modules must not find the agent's
+    for name in argv[2:]:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # a missing module costs speed, not correctness
+            print(f"agentbox zygote: cannot preload {name}: {exc!r}", file=sys.stderr)
+    # Everything loaded so far goes to the permanent generation: a child's collections then
+    # never walk (and so never copy-on-write) the zygote's pages; user objects still collect.
+    gc.collect()
+    gc.freeze()
+    Zygote(ctl).serve()
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,298 @@
+"""Python /exec through the warm zygote: fresh-process semantics, fallbacks, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from guest.agent import create_app, zygote_preload
+from guest.execution import ExecOwner, Executor
+from guest.protocol import ExecRequest, ExecResult
+from guest.zygote import ZygoteManager, startup_env
+from tests.unit.test_guest_execution import read_pid, wait_gone
+
+pytestmark = pytest.mark.timeout(60)
+VENV_BIN = os.path.dirname(sys.executable)  # a python3 that has numpy (test deps)
+
+
+@pytest.fixture
+async def client(aiohttp_client, tmp_path):
+    return await aiohttp_client(create_app(keepawake_dir=str(tmp_path / "keepawake")))
+
+
+@pytest.fixture
+async def plain(aiohttp_client, tmp_path):
+    app = create_app(keepawake_dir=str(tmp_path / "keepawake2"), zygote_preload=None)
+    return await aiohttp_client(app)
+
+
+async def run(client, **body) -> ExecResult:
+    resp = await client.post("/exec", json=body)
+    assert resp.status == 200, await resp.text()
+    return ExecResult.from_dict(await resp.json())
+
+
+PARENT = "import os\nprint(open(f'/proc/{os.getppid()}/cmdline').read().replace(chr(0), ' '))"
+
+
+async def parent_of(client, **body) -> str:
+    return (await run(client, code=PARENT, **body)).stdout
+
+
+async def test_python_code_runs_in_a_zygote_child(client):
+    assert "zygote_worker.py" in await parent_of(client)
+    code = "import os; print(os.getpid() == os.getpgid(0) == os.getsid(0))"
+    result = await run(client, code=code)
+    assert result.stdout == "True\n"  # its own session: killpg on timeout reaches its tree
+
+
+async def test_no_zygote_runs_plain_python3(plain):
+    assert "zygote_worker.py" not in await parent_of(plain)
+
+
+NORMALISE = re.compile(r"/tmp/agentbox-exec-\w+\.py")
+
+# Each program's stdout, stderr and exit code must be what `python3 -u FILE` gives.
+PARITY = [
+    "print(1)",
+    "import sys\nprint('x', file=sys.stderr)\nsys.exit(4)",
+    "1/0",
+    "def f():\n    raise ValueError('v')\nf()",
+    "exit('bye')",
+    "raise SystemExit(None)",
+    "import sys; sys.exit(300)",
+    "1 +",
+    "raise KeyboardInterrupt",
+    "import os; print('a', flush=True); os._exit(5)",
+    "import os, signal; os.kill(os.getpid(), signal.SIGTERM)",
+    "import sys; print(__name__, sys.argv[0] == __file__, sys.path[0], sys.stdin.read())",
+    "import sys; print(sys.flags.unbuffered, sys.stdout.encoding, sys.stdout.line_buffering)",
+    "import threading, time\n"
+    "threading.Thread(target=lambda: (time.sleep(0.3), print('late'))).start()\nprint('main')",
+    "import atexit; atexit.register(print, 'at exit'); print('body')",
+    "print('no newline', end='')",
+    "import warnings; warnings.warn('careful')",
+    "import sys; print(sorted(k for k in globals() if not k.startswith('__')) or 'clean')",
+    "print(__builtins__.__name__, __spec__, __package__, __doc__)",
+    "# -*- coding: latin-1 -*-\nprint('\xe9')",
+]
+
+
+def normalise(r: ExecResult) -> tuple[str, str, int]:
+    return NORMALISE.sub("SCRIPT", r.stdout), NORMALISE.sub("SCRIPT", r.stderr), r.exit_code
+
+
+@pytest.mark.parametrize("code", PARITY)
+async def test_same_result_as_plain_python3(client, plain, code):
+    a, b = await run(client, code=code), await run(plain, code=code)
+    assert normalise(a) == normalise(b)
+    assert "zygote" not in a.stderr
+
+
+LEAK_SETUP = """
+import json, os, sys, random
+x_global = 1
+json.leaked = True
+os.environ["LEAKED"] = "1"
+os.chdir("/")
+sys.path.append("/leaked")
+sys.modules["leaked_module"] = json
+open("/dev/null")
+leak_fd = os.open("/dev/null", os.O_RDONLY)
+os.dup2(leak_fd, 42)
+random.seed(1234)
+import signal; signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+os.umask(0o077)
+"""
+
+LEAK_CHECK = """
+import json, os, sys, signal
+print("x_global" in globals(), hasattr(json, "leaked"), "LEAKED" in os.environ,
+      os.getcwd(), "/leaked" in sys.path, "leaked_module" in sys.modules,
+      sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
+      signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL, oct(os.umask(0o022)))
+"""
+
+
+async def test_nothing_leaks_between_calls(client, tmp_path):
+    first = await run(client, code=LEAK_SETUP, cwd=str(tmp_path))
+    assert first.exit_code == 0, first.stderr
+    second = await run(client, code=LEAK_CHECK, cwd=str(tmp_path))
+    fds = "[0, 1, 2, 3]"  # stdio, and the listing's own directory fd
+    assert second.stdout == f"False False False {tmp_path} False False {fds} True 0o22\n"
+
+
+async def test_random_state_differs_between_children(client):
+    code = "import random; print(random.getrandbits(64))"
+    values = {(await run(client, code=code)).stdout for _ in range(4)}
+    assert len(values) == 4
+
+
+async def test_env_and_cwd_per_call(client, tmp_path):
+    code = "import os; print(os.environ.get('FOO'), os.getcwd(), os.environ['HOME'])"
+    one = await run(client, code=code, env={"FOO": "bar"}, cwd=str(tmp_path))
+    two = await run(client, code=code)
+    assert one.stdout == f"bar {tmp_path} /root\n"
+    assert two.stdout.startswith("None ")
+
+
+async def test_timeout_kills_the_childs_group(client, tmp_path):
+    pidfile = tmp_path / "sleep.pid"
+    code = ("import subprocess, time\n"
+            f"p = subprocess.Popen(['sleep', '100']); open('{pidfile}', 'w').write(str(p.pid))\n"
+            "print('before', flush=True); time.sleep(100)")
+    started = time.monotonic()
+    result = await run(client, code=code, timeout=1)
+    assert time.monotonic() - started < 5
+    assert result.timed_out and result.exit_code == -9 and result.stdout == "before\n"
+    assert await wait_gone(await read_pid(pidfile))
+    assert (await run(client, code="print(2)")).stdout == "2\n"  # the zygote is fine
+
+
+async def test_output_streams_and_big_output(client):
+    code = "import sys\nsys.stdout.write('o' * 3_000_000)\nsys.stderr.write('e' * 100)"
+    result = await run(client, code=code, timeout=30)
+    assert len(result.stdout) == 3_000_000 and result.stderr == "e" * 100
+
+
+@pytest.mark.parametrize("env", [{"PYTHONPATH": "/x"}, {"LANG": "C"}, {"HOME": "/tmp"},
+                                 {"PYTHONHASHSEED": "0"}])
+async def test_startup_env_falls_back_to_plain_python3(client, env):
+    assert "zygote_worker.py" not in await parent_of(client, env=env)
+    assert "zygote_worker.py" in await parent_of(client, env={"OTHER": "1"})
+
+
+async def test_another_python3_on_path_falls_back(client, tmp_path):
+    (tmp_path / "python3").symlink_to(sys.executable)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+    assert "zygote_worker.py" not in await parent_of(client, env=env)
+
+
+def executor_with(preload: tuple[str, ...] = (), **env: str) -> Executor:
+    executor = Executor(ExecOwner())
+    executor.env.update(env)
+    executor.zygote = ZygoteManager(executor.env, preload)
+    return executor
+
+
+async def test_numpy_random_state_differs_between_children():
+    executor = executor_with(("numpy",), PATH=f"{VENV_BIN}:/usr/bin:/bin")
+    try:
+        code = "import numpy, sys; print(numpy.random.randint(1 << 62), 'numpy' in sys.modules)"
+        results = [await executor.run(ExecRequest(code=code)) for _ in range(3)]
+        assert all(r.exit_code == 0 for r in results), results[0].stderr
+        assert len({r.stdout for r in results}) == 3
+        assert executor.zygote.current is not None  # they ran in the zygote
+    finally:
+        await executor.zygote.aclose()
+
+
+async def test_a_killed_zygote_is_replaced():
+    executor = executor_with()
+    try:
+        code = "import os; print(os.getppid())"
+        first = int((await executor.run(ExecRequest(code=code))).stdout)
+        os.kill(first, signal.SIGKILL)
+        await asyncio.sleep(0.2)
+        second = int((await executor.run(ExecRequest(code=code))).stdout)
+        assert second != first and executor.zygote.current.proc.pid == second
+    finally:
+        await executor.zygote.aclose()
+
+
+async def test_zygote_dying_mid_run_fails_the_exec_and_kills_the_child(tmp_path):
+    executor = executor_with()
+    pidfile = tmp_path / "pid"
+    code = f"import os, time; open('{pidfile}', 'w').write(str(os.getpid())); time.sleep(100)"
+    try:
+        task = asyncio.create_task(executor.run(ExecRequest(code=code)))
+        pid = await read_pid(pidfile)
+        os.kill(executor.zygote.current.proc.pid, signal.SIGKILL)
+        with pytest.raises(Exception, match="zygote died"):
+            await asyncio.wait_for(task, 10)
+        assert await wait_gone(pid)
+    finally:
+        await executor.zygote.aclose()
+
+
+async def test_new_package_makes_the_zygote_stale(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    executor = executor_with(PYTHONPATH=str(site))
+    try:
+        code = "import os; print(os.getppid())"
+        first = (await executor.run(ExecRequest(code=code))).stdout
+        await asyncio.sleep(0.01)
+        (site / "newpkg.py").write_text("VALUE = 7\n")
+        result = await executor.run(ExecRequest(code="import newpkg; print(newpkg.VALUE)"))
+        assert result.stdout == "7\n", result.stderr  # plain python3 ran it
+        third = (await executor.run(ExecRequest(code=code))).stdout
+        assert third != first  # a new zygote
+    finally:
+        await executor.zygote.aclose()
+
+
+async def test_base_env_change_by_init_restarts_the_zygote():
+    executor = executor_with()
+    try:
+        code = "import os; print(os.getppid(), os.environ.get('PYTHONDONTWRITEBYTECODE'))"
+        first = (await executor.run(ExecRequest(code=code))).stdout.split()
+        executor.env["PYTHONDONTWRITEBYTECODE"] = "1"  # what /init's env merge does
+        second = (await executor.run(ExecRequest(code=code))).stdout.split()
+        assert second[1] == "1" and second[0] != first[0]
+        assert executor.zygote.current.startup == startup_env(executor.env)
+    finally:
+        await executor.zygote.aclose()
+
+
+async def test_concurrent_python_execs(client):
+    started = time.monotonic()
+    results = await asyncio.gather(
+        *(run(client, code=f"import time; time.sleep(0.5); print({i})") for i in range(10)))
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(10)]
+    assert time.monotonic() - started < 5
+
+
+async def test_aclose_stops_the_zygote():
+    executor = executor_with()
+    await executor.run(ExecRequest(code="pass"))
+    pid = executor.zygote.current.proc.pid
+    await executor.zygote.aclose()
+    assert await wait_gone(pid)
+
+
+def test_preload_setting(tmp_path: Path):
+    f = tmp_path / "preload"
+    f.write_text("numpy\npandas\n")
+    assert zygote_preload(None, str(f)) == ("numpy", "pandas")
+    assert zygote_preload(None, str(tmp_path / "missing")) == ()
+    assert zygote_preload("json, re", str(f)) == ("json", "re")
+    assert zygote_preload("off", str(f)) is None
+
+
+async def test_client_disconnect_kills_the_child(client, tmp_path):
+    import aiohttp
+
+    pidfile = tmp_path / "main.pid"
+    code = f"import os, time; open('{pidfile}', 'w').write(str(os.getpid())); time.sleep(100)"
+    with pytest.raises(asyncio.TimeoutError):
+        await client.post("/exec", json={"code": code}, timeout=aiohttp.ClientTimeout(total=1))
+    assert await wait_gone(await read_pid(pidfile))
+    health = await (await client.get("/health")).json()
+    assert health["running"] == 0
+
+
+def test_add_entropy_reseeds_the_crng():
+    # Clones of one snapshot share the CRNG: mixing bytes in is not enough until a reseed.
+    from guest import restore
+
+    calls = []
+    restore.add_entropy(b"x" * 16, ioctl=lambda fd, op, *arg: calls.append(op))
+    assert calls == [restore.RNDADDENTROPY, restore.RNDRESEEDCRNG]
