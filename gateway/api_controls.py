@@ -23,6 +23,7 @@ from gateway.lifecycle import State
 from gateway.middleware import current_key
 from gateway.registry import SandboxRecord
 from gateway.sandboxes import SandboxService, tree_bytes
+from vmctl.disks import MEMORY_FILE
 
 routes = web.RouteTableDef()
 
@@ -110,13 +111,23 @@ def prometheus_lines(service: SandboxService) -> list[str]:
     return usage.prometheus({k: total for k, (total, _) in report.items()})
 
 
+def snapshot_bytes(root: Path) -> int:
+    """What a suspended sandbox's snapshot takes on disk: its snapshot directory (device
+    state, and Firecracker's memory) and QEMU's guest memory file, which *is* the memory
+    image while suspended (vmctl/machine.py, the directory layout)."""
+    size = tree_bytes(root / "snapshot")
+    with contextlib.suppress(OSError):
+        size += os.lstat(root / MEMORY_FILE).st_blocks * 512
+    return size
+
+
 async def measure_snapshots(service: SandboxService, seen: dict[str, int]) -> None:
     """Record each suspended sandbox's snapshot size once per suspend (``seen``: id ->
     the suspend_count measured)."""
     for rec in service.registry.list():
         if rec.state is not State.SUSPENDED or seen.get(rec.id) == rec.suspend_count:
             continue
-        size = await asyncio.to_thread(tree_bytes, Path(rec.root) / "snapshot")
+        size = await asyncio.to_thread(snapshot_bytes, Path(rec.root))
         seen[rec.id] = rec.suspend_count
         if size != rec.snapshot_bytes:
             service.registry.update(rec.id, snapshot_bytes=size)

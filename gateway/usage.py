@@ -57,7 +57,7 @@ class SandboxUsage:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        return asdict(self)
 
 
 def _overlap(start: float, end: float, lo: float, hi: float) -> float:
