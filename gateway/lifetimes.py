@@ -128,9 +128,10 @@ async def scan(service: SandboxService, now: float | None = None) -> list[str]:
     """Destroy every expired sandbox; returns their ids."""
     now = time.time() if now is None else now
     done = []
-    for rec in service.registry.list():
-        cause = expired(rec, now)
-        if cause is None:
+    for listed in service.registry.list():
+        rec = service.registry.get(listed.id)  # fresh: an earlier destroy took time
+        cause = expired(rec, now) if rec is not None else None
+        if rec is None or cause is None:
             continue
         log.info("sandbox %s: %s, destroying it", rec.id, cause)
         try:
