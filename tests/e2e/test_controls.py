@@ -211,6 +211,8 @@ def _check_usage(c: httpx.Client, d, sid: str, awake: float) -> None:
     usage = c.get("/v1/usage").json()
     mine = {s["sandbox_id"]: s for k in usage["keys"] for s in k["sandboxes"]}[sid]
     assert mine["awake_seconds"] == pytest.approx(awake, rel=0.05), (mine, awake)
+    print(f"\nusage: awake {awake:.2f}s measured by the client, {mine['awake_seconds']:.2f}s "
+          f"metered ({(mine['awake_seconds'] / awake - 1) * 100:+.2f}%)")
     template = next(t for t in c.get("/v1/templates").json()["templates"]
                     if t["name"] == "python")
     assert mine["gib_seconds"] == pytest.approx(mine["awake_seconds"] * template["mem_mib"]
