@@ -60,7 +60,8 @@ def usage_report(service: SandboxService, key: str | None, lo: float, hi: float,
                  now: float) -> dict[str, tuple[usage.SandboxUsage, list[usage.SandboxUsage]]]:
     recs = {r.id: r for r in service.registry.list(key, include_destroyed=True)}
     rows = [r for r in service.registry.tenant_transitions(key) if r["sandbox_id"] in recs]
-    return usage.by_key(rows, shape_of(service, recs), lo, hi, now)
+    return usage.by_key(rows, shape_of(service, recs), lo, hi, now,
+                        service.registry.downtimes())
 
 
 def _time(value: str | None, default: float, name: str) -> float:

@@ -146,7 +146,8 @@ async def scan(service: SandboxService, now: float | None = None) -> list[str]:
 
 
 async def expiry_loop(service: SandboxService) -> None:
-    """Once a second: destroy expired sandboxes, and measure new snapshots (for usage)."""
+    """Once a second: destroy expired sandboxes, measure new snapshots and note that the
+    daemon is alive (for usage)."""
     from gateway.api_controls import measure_snapshots  # (it imports the API, which imports us)
 
     measured: dict[str, int] = {}
@@ -154,6 +155,8 @@ async def expiry_loop(service: SandboxService) -> None:
         try:
             await scan(service)
             await measure_snapshots(service, measured)
+            if service.run_id is not None:
+                service.registry.heartbeat(service.run_id)
         except Exception:
             log.exception("expiry scan")
         await asyncio.sleep(SCAN_S)

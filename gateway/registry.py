@@ -50,6 +50,8 @@ CREATE TABLE IF NOT EXISTS sessions (
   start TEXT, start_state TEXT NOT NULL DEFAULT 'none', start_pid INTEGER, start_error TEXT,
   metadata TEXT NOT NULL DEFAULT '{}', created_at REAL NOT NULL, updated_at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS sessions_tenant ON sessions(tenant, name);
+CREATE TABLE IF NOT EXISTS daemon_runs (
+  id INTEGER PRIMARY KEY AUTOINCREMENT, started_at REAL NOT NULL, heartbeat REAL NOT NULL);
 """
 _ASLEEP = (State.SUSPENDED, State.FAILED)
 
@@ -230,6 +232,24 @@ class Registry:
         if tenant is not None:
             sql, args = sql + " WHERE s.tenant = ?", [tenant]
         return [dict(r) for r in self._db.execute(sql + " ORDER BY t.sandbox_id, t.seq", args)]
+
+    # -- daemon runs: when a daemon was up (gateway.usage closes a crash's intervals) --
+
+    def start_run(self) -> int:
+        now = time.time()
+        cur = self._db.execute("INSERT INTO daemon_runs (started_at, heartbeat) VALUES (?, ?)",
+                               (now, now))
+        assert cur.lastrowid is not None
+        return cur.lastrowid
+
+    def heartbeat(self, run_id: int) -> None:
+        self._db.execute("UPDATE daemon_runs SET heartbeat = ? WHERE id = ?",
+                         (time.time(), run_id))
+
+    def downtimes(self) -> list[tuple[float, float]]:
+        """(last heartbeat of a run, start of the next) for each gap between daemon runs."""
+        rows = list(self._db.execute("SELECT started_at, heartbeat FROM daemon_runs ORDER BY id"))
+        return [(a["heartbeat"], b["started_at"]) for a, b in zip(rows, rows[1:], strict=False)]
 
     # -- preview access (gateway/preview_auth.py) and sessions (gateway/sessions.py) --
 

@@ -57,6 +57,7 @@ class SandboxService:
         self._golden_cache: dict[str, Golden] = {str(g.dir): g for g in goldens.values()}
         self._idle_task: asyncio.Task | None = None
         self._expiry_task: asyncio.Task | None = None
+        self.run_id: int | None = None  # this daemon's row in daemon_runs (gateway.usage)
 
     @property
     def sandboxes_dir(self) -> Path:
@@ -235,6 +236,7 @@ class SandboxService:
 
     def start(self) -> None:
         self._idle_task = self.spawn(self._idle_loop(), "idle-loop")
+        self.run_id = self.registry.start_run()  # after recovery: its transitions are before
         self._expiry_task = self.spawn(lifetimes.expiry_loop(self), "expiry-loop")
 
     async def aclose(self, timeout: float = 15.0) -> None:

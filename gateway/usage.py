@@ -17,9 +17,12 @@ clips them to the asked window:
 
 An interval still open ends at ``min(now, to)``. A daemon restart does not close an interval:
 a VMM that kept running is adopted and its sandbox stays RUNNING (it did run). A VMM found
-dead at start-up is recorded ``crashed`` at *recovery time*, which closes its interval there:
-the guest may have run until then, so it is charged the daemon's downtime (documented in
-docs/api.md "Usage").
+dead at start-up is recorded ``crashed`` by recovery, during the daemon's start-up; an awake
+interval that ends inside such a *downtime* (after a daemon run's last heartbeat, written once
+a second, and before the next run started, ``Registry.downtimes``) ends at that last
+heartbeat instead: when the daemon went down with its VMMs (a host crash) that is when they
+stopped; a VMM that outlived the daemon and died later is not charged for the time nobody
+could observe (documented in docs/api.md "Usage").
 """
 
 from __future__ import annotations
@@ -64,10 +67,19 @@ def _overlap(start: float, end: float, lo: float, hi: float) -> float:
     return max(0.0, min(end, hi) - max(start, lo))
 
 
+def _observed_end(since: float, at: float, downtimes: Iterable[tuple[float, float]]) -> float:
+    """Where an awake interval that ended at ``at`` really ends: at the last heartbeat before
+    a downtime that ``at`` falls in (recovery recorded it), else at ``at``."""
+    for last_beat, restarted in downtimes:
+        if last_beat < at <= restarted:
+            return max(since, last_beat)
+    return at
+
+
 def account(rows: Iterable[dict[str, Any]], shape: Shape, lo: float, hi: float,
-            now: float) -> SandboxUsage | None:
+            now: float, downtimes: Iterable[tuple[float, float]] = ()) -> SandboxUsage | None:
     """One sandbox's usage in [lo, hi) from its transitions (in order)."""
-    rows = list(rows)
+    rows, downtimes = list(rows), list(downtimes)
     if not rows:
         return None
     out = SandboxUsage(rows[0]["sandbox_id"], rows[0]["tenant"])
@@ -75,7 +87,8 @@ def account(rows: Iterable[dict[str, Any]], shape: Shape, lo: float, hi: float,
     for row in [*rows, {"to_state": None, "at": min(now, hi), "event": ""}]:
         at = row["at"]
         if state == "running":
-            out.awake_seconds += _overlap(since, at, lo, hi)
+            end = _observed_end(since, at, downtimes) if row["to_state"] else at
+            out.awake_seconds += _overlap(since, end, lo, hi)
         elif state == "suspended":
             out.suspended_seconds += _overlap(since, at, lo, hi)
         if lo <= at < hi:
@@ -90,14 +103,16 @@ def account(rows: Iterable[dict[str, Any]], shape: Shape, lo: float, hi: float,
 
 
 def by_key(rows: Iterable[dict[str, Any]], shape_of: Callable[[str], Shape], lo: float,
-           hi: float, now: float) -> dict[str, tuple[SandboxUsage, list[SandboxUsage]]]:
+           hi: float, now: float, downtimes: Iterable[tuple[float, float]] = ()
+           ) -> dict[str, tuple[SandboxUsage, list[SandboxUsage]]]:
     """Every key's total and its sandboxes' usage (``rows`` ordered by sandbox, then seq)."""
     per: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         per.setdefault(row["sandbox_id"], []).append(row)
     out: dict[str, tuple[SandboxUsage, list[SandboxUsage]]] = {}
+    downtimes = list(downtimes)
     for sid, sandbox_rows in per.items():
-        usage = account(sandbox_rows, shape_of(sid), lo, hi, now)
+        usage = account(sandbox_rows, shape_of(sid), lo, hi, now, downtimes)
         if usage is None:
             continue
         total, items = out.setdefault(usage.key, (SandboxUsage("", usage.key), []))

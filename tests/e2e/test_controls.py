@@ -185,13 +185,18 @@ def test_ttl_and_usage_survive_a_daemon_killed_and_restarted(tmp_path, images_bu
     try:
         with d.client() as c:
             short = create(c, ttl=45)
+            short_from = time.time()
             ids.append(short["id"])
             metered = create(c, idle_timeout=0)
             awake_from = time.time()  # it was recorded RUNNING just before this answer
             ids.append(metered["id"])
+        time.sleep(3)  # a few heartbeats
         d.proc.send_signal(signal.SIGKILL)  # before the ttl; its VMMs keep running
         d.proc.wait()
+        killed_at = time.time()
         assert vmm_pids_for(short["id"]), "the VMM should outlive the daemon"
+        for pid in vmm_pids_for(short["id"]):  # ...but this one dies while nobody watches
+            os.kill(pid, signal.SIGKILL)
         time.sleep(max(0.0, short["expires_at"] - time.time() + 3))  # the ttl passes while down
         d = start_daemon(data, port=port)
         with d.client() as c:
@@ -201,6 +206,14 @@ def test_ttl_and_usage_survive_a_daemon_killed_and_restarted(tmp_path, images_bu
             awake_to = time.time()
             assert c.post(f"/v1/sandboxes/{metered['id']}/suspend").status_code == 200
             _check_usage(c, d, metered["id"], awake_to - awake_from)
+            # found dead by recovery: charged up to the killed daemon's last heartbeat, not
+            # for the downtime (> 45 s)
+            usage = c.get("/v1/usage").json()
+            dead = {s["sandbox_id"]: s for k in usage["keys"] for s in k["sandboxes"]}[short["id"]]
+            print(f"usage: crashed sandbox awake {killed_at - short_from:.2f}s until the daemon "
+                  f"was killed, {dead['awake_seconds']:.2f}s metered")
+            assert dead["awake_seconds"] == pytest.approx(killed_at - short_from, abs=3)
+            assert dead["destroyed"] == 1
     finally:
         _cleanup(d, data, port, ids)
 

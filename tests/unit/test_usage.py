@@ -61,3 +61,27 @@ def test_by_key_sums_each_keys_sandboxes():
     lines = usage.prometheus({k: t for k, (t, _) in report.items()})
     assert 'agentbox_usage_vcpu_seconds_total{key="k"} 360' in lines
     assert 'agentbox_usage_created_total{key="other"} 1' in lines
+
+
+def test_an_interval_recovery_closes_ends_at_the_crashed_daemons_last_heartbeat():
+    running = LIFE[:2]  # running since 10
+    found_dead = [*running, *log((520, "running", "failed", "crashed"))]  # by recovery at 520
+    downtime = [(300.0, 525.0)]  # last heartbeat at 300; the next run began (after recovery)
+    assert usage.account(found_dead, SHAPE, 0, 1e9, 1e6, downtime).awake_seconds == 290
+    # a crash seen while the daemon ran, and an adopted VMM: not touched by downtimes
+    live = [*running, *log((200, "running", "failed", "crashed"))]
+    assert usage.account(live, SHAPE, 0, 1e9, 1e6, downtime).awake_seconds == 190
+    assert usage.account(running, SHAPE, 0, 1e9, 600, downtime).awake_seconds == 590
+
+
+def test_the_registry_records_daemon_runs(tmp_path):
+    from gateway.registry import Registry
+
+    reg = Registry(tmp_path / "r.sqlite")
+    first = reg.start_run()
+    reg.heartbeat(first)
+    assert reg.downtimes() == []
+    reg.start_run()
+    (beat, restart), = reg.downtimes()
+    assert beat <= restart
+    reg.close()
