@@ -126,7 +126,8 @@ class Backend:
         if self.driver_name == "firecracker":
             from vmctl.drivers.firecracker import FirecrackerDriver
             fc = self.config.firecracker
-            return FirecrackerDriver(binary=fc.binary, jailer=fc.jailer_config())
+            return FirecrackerDriver(binary=fc.binary, jailer=fc.jailer_config(),
+                                     console_log_bytes=self.config.console_log_bytes)
         return QemuDriver(cgroups=self.cgroups, console_log_bytes=self.config.console_log_bytes)
 
     def confinement(self, slot_host_addr: str, vm_id: str, workdir: Path,
