@@ -19,7 +19,7 @@ from agentbox._transport import AsyncTransport, ClientConfig
 from agentbox.async_sandbox import AsyncSandbox
 from agentbox.exceptions import NotFoundError, SandboxNotFoundError
 from agentbox.models import SandboxInfo, ServerInfo, Template
-from agentbox.sessions import AsyncSessions
+from agentbox.async_sessions import AsyncSessions
 
 # unasync: add from agentbox.async_client import AsyncAgentBox  # the one import path for both
 
