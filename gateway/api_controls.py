@@ -31,7 +31,8 @@ MAX_TAIL = 10_000  # lines of console log
 MAX_TAIL_BYTES = 1 << 20  # read at most this much from the end of the console log
 DEFAULT_TAIL = 200
 MAX_EVENTS = 1000
-CONSOLE = ("vm/console.log.1", "vm/console.log")  # oldest first (vmctl.console rotates once)
+CONSOLE = ("vm/console.log.1", "vm/console.log")
+SNAPSHOT_REMEASURE_S = 30.0  # oldest first (vmctl.console rotates once)
 
 
 # -- usage ------------------------------------------------------------------------------------
@@ -122,14 +123,19 @@ def snapshot_bytes(root: Path) -> int:
     return size
 
 
-async def measure_snapshots(service: SandboxService, seen: dict[str, int]) -> None:
-    """Record each suspended sandbox's snapshot size once per suspend (``seen``: id ->
-    the suspend_count measured)."""
+async def measure_snapshots(service: SandboxService, seen: dict[str, tuple[int, float]],
+                            every: float = SNAPSHOT_REMEASURE_S) -> None:
+    """Record each suspended sandbox's snapshot size after each suspend, and again every
+    ``every`` seconds while it sleeps (compaction, vm.compact_after, shrinks it later);
+    ``seen``: id -> (suspend_count, when measured)."""
+    now = time.monotonic()
     for rec in service.registry.list():
-        if rec.state is not State.SUSPENDED or seen.get(rec.id) == rec.suspend_count:
+        last = seen.get(rec.id)
+        if rec.state is not State.SUSPENDED or (
+                last is not None and last[0] == rec.suspend_count and now - last[1] < every):
             continue
         size = await asyncio.to_thread(snapshot_bytes, Path(rec.root))
-        seen[rec.id] = rec.suspend_count
+        seen[rec.id] = (rec.suspend_count, now)
         if size != rec.snapshot_bytes:
             service.registry.update(rec.id, snapshot_bytes=size)
 

@@ -150,7 +150,7 @@ async def expiry_loop(service: SandboxService) -> None:
     daemon is alive (for usage)."""
     from gateway.api_controls import measure_snapshots  # (it imports the API, which imports us)
 
-    measured: dict[str, int] = {}
+    measured: dict[str, tuple[int, float]] = {}
     while True:
         try:
             await scan(service)

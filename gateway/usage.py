@@ -11,7 +11,9 @@ clips them to the asked window:
   it (creating, restoring and snapshotting are the platform's time, not charged). vCPU-seconds
   = awake seconds x vCPUs; GiB-seconds = awake seconds x memory size in GiB.
 * **suspended** = time in SUSPENDED; snapshot GiB-hours = suspended hours x the bytes of the
-  sandbox's snapshot on disk (measured once per suspend, ``SandboxRecord.snapshot_bytes``).
+  sandbox's snapshot on disk (``SandboxRecord.snapshot_bytes``: measured after each suspend
+  and every 30 s while asleep, so a compacted snapshot counts at its compacted size; the
+  latest measure is applied to the sandbox's whole suspended time).
 * **restores** = ``restored`` transitions; **created** / **destroyed** = its insert and
   ``destroy`` rows in the window.
 

@@ -133,3 +133,25 @@ async def test_the_scan_destroys_expired_sandboxes_through_their_controller(serv
     assert await lifetimes.scan(service, now=1e9) == ["keep"]  # "none" never expires
     assert reg.get("none").state is State.RUNNING
     assert service.metrics.events["expired"] == 3
+
+
+async def test_snapshot_sizes_are_measured_after_a_suspend_and_again_later(service, tmp_path):
+    from gateway.api_controls import measure_snapshots
+
+    root = tmp_path / "sb"
+    (root / "snapshot").mkdir(parents=True)
+    (root / "snapshot" / "vmstate").write_bytes(b"x" * 8192)
+    (root / "memory").write_bytes(b"y" * 65536)
+    reg = service.registry
+    reg.insert_sandbox(dataclasses.replace(rec(state=State.CREATING), root=str(root)))
+    for event in (Event.CREATED, Event.SUSPEND):
+        reg.transition("a", event)
+    reg.transition("a", Event.SUSPENDED, suspend_count=1)
+    seen: dict = {}
+    await measure_snapshots(service, seen)
+    assert reg.get("a").snapshot_bytes >= 8192 + 65536
+    (root / "memory").unlink()  # compacted: the memory file is gone
+    await measure_snapshots(service, seen)  # too soon to look again
+    assert reg.get("a").snapshot_bytes >= 8192 + 65536
+    await measure_snapshots(service, seen, every=0)
+    assert 8192 <= reg.get("a").snapshot_bytes < 65536

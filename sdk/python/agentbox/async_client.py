@@ -20,8 +20,8 @@ from agentbox import _calls, _common
 from agentbox._transport import AsyncTransport, ClientConfig
 from agentbox.async_sandbox import AsyncSandbox
 from agentbox.exceptions import NotFoundError, SandboxNotFoundError
+from agentbox.async_sessions import AsyncSessions
 from agentbox.models import SandboxInfo, SandboxPage, ServerInfo, Template, Usage
-from agentbox.sessions import AsyncSessions
 
 # unasync: add from agentbox.async_client import AsyncAgentBox  # the one import path for both
 

@@ -22,7 +22,7 @@ from agentbox import _calls, _common
 from agentbox._streams import ExecutionBuilder, maybe_await, notify
 from agentbox.async_commands import AsyncCommands
 from agentbox.exceptions import AgentBoxError, SandboxNotFoundError
-from agentbox.files import AsyncFiles
+from agentbox.async_files import AsyncFiles
 from agentbox.models import (
     CodeContext,
     Execution,

@@ -19,8 +19,8 @@ from agentbox import _calls, _common
 from agentbox._transport import SyncTransport, ClientConfig
 from agentbox.sandbox import Sandbox
 from agentbox.exceptions import NotFoundError, SandboxNotFoundError
-from agentbox.models import SandboxInfo, SandboxPage, ServerInfo, Template, Usage
 from agentbox.sessions import Sessions
+from agentbox.models import SandboxInfo, SandboxPage, ServerInfo, Template, Usage
 
 from agentbox.async_client import AsyncAgentBox  # the one import path for both
 
