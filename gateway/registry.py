@@ -85,6 +85,7 @@ class SandboxRecord:
     last_suspend_ms: float | None = None
     last_restore_ms: float | None = None
     failure: str | None = None
+    egress: dict[str, Any] | None = None  # gateway.egress_api's stored form; None: host default
 
 
 def hash_key(key: str) -> str:
@@ -110,6 +111,9 @@ class Registry:
         cols = {r["name"] for r in self._db.execute("PRAGMA table_info(api_keys)")}
         if "limits" not in cols:
             self._db.execute("ALTER TABLE api_keys ADD COLUMN limits TEXT NOT NULL DEFAULT '{}'")
+        cols = {r["name"] for r in self._db.execute("PRAGMA table_info(sandboxes)")}
+        if "egress" not in cols:
+            self._db.execute("ALTER TABLE sandboxes ADD COLUMN egress TEXT")
 
     def close(self) -> None:
         self._db.close()
@@ -307,4 +311,5 @@ def _from_row(row: sqlite3.Row) -> SandboxRecord:
     data["state"] = State(data["state"])
     data["metadata"] = json.loads(data["metadata"] or "{}")
     data["vmm"] = json.loads(data["vmm"]) if data["vmm"] else None
+    data["egress"] = json.loads(data["egress"]) if data.get("egress") else None
     return SandboxRecord(**data)

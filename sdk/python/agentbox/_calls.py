@@ -38,8 +38,9 @@ def _drop_none(**fields: Any) -> dict[str, Any]:
 # -- sandboxes ---------------------------------------------------------------------------------
 
 def create_sandbox(template: str | None, idle_timeout: float | None,
-                   metadata: dict[str, Any] | None) -> Call:
-    body = _drop_none(template=template, idle_timeout=idle_timeout, metadata=metadata)
+                   metadata: dict[str, Any] | None, egress: Any = None) -> Call:
+    body = _drop_none(template=template, idle_timeout=idle_timeout, metadata=metadata,
+                      egress=egress)
     return Call("POST", "/v1/sandboxes", json=body)
 
 
@@ -65,12 +66,13 @@ def resume_sandbox(sandbox_id: str) -> Call:
 
 def update_sandbox(sandbox_id: str, idle_timeout: float | None = None,
                    metadata: dict[str, Any] | None = None,
-                   public_ports: list[int] | None = None) -> Call:
+                   public_ports: list[int] | None = None, egress: Any = None) -> Call:
     body = _drop_none(idle_timeout=idle_timeout, metadata=metadata,
-                      public_ports=None if public_ports is None else _ports(public_ports))
+                      public_ports=None if public_ports is None else _ports(public_ports),
+                      egress=egress)
     if not body:
-        raise InvalidArgumentError("nothing to update: give idle_timeout, metadata and/or "
-                                   "public_ports")
+        raise InvalidArgumentError("nothing to update: give idle_timeout, metadata, "
+                                   "public_ports and/or egress")
     return Call("PATCH", _sb(sandbox_id), json=body)
 
 

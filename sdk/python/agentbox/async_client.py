@@ -44,11 +44,12 @@ class AsyncAgentBox:
 
     async def create(self, template: str | None = _common.DEFAULT_TEMPLATE, *,
                      environment: str | None = None, idle_timeout: float | None = None,
-                     metadata: dict[str, Any] | None = None, keep: bool = False) -> AsyncSandbox:
+                     metadata: dict[str, Any] | None = None, keep: bool = False,
+                     egress: str | dict[str, Any] | None = None) -> AsyncSandbox:
         """A new sandbox from ``template`` (alias ``environment``); see
         :meth:`AsyncSandbox.create`."""
         call = _calls.create_sandbox(_common.pick_template(template, environment), idle_timeout,
-                                     metadata)
+                                     metadata, egress)
         info = SandboxInfo.from_dict(await self._transport.json(call))
         return AsyncSandbox(self, info, keep=keep)
 

@@ -68,17 +68,19 @@ class AsyncSandbox:
                      environment: str | None = None, idle_timeout: float | None = None,
                      metadata: dict[str, Any] | None = None, keep: bool = False,
                      api_key: str | None = None, base_url: str | None = None,
-                     timeout: float | None = None) -> AsyncSandbox:
+                     timeout: float | None = None,
+                     egress: str | dict[str, Any] | None = None) -> AsyncSandbox:
         """Create a sandbox from ``template`` (alias ``environment``). ``idle_timeout``:
         seconds without activity before it is suspended (0 = never; None = the server's
-        default). ``keep=True``: leaving a ``with`` block does not kill it."""
+        default). ``keep=True``: leaving a ``with`` block does not kill it. ``egress``:
+        ``"deny_all"``, ``"allow_all"`` or ``{"default", "allow", "deny"}`` (docs/api.md)."""
         from agentbox.async_client import AsyncAgentBox
 
         client = AsyncAgentBox(api_key=api_key, base_url=base_url, timeout=timeout)
         try:
             sandbox = await client.create(template, environment=environment,
                                           idle_timeout=idle_timeout, metadata=metadata,
-                                          keep=keep)
+                                          keep=keep, egress=egress)
         except BaseException:
             await client.aclose()
             raise
@@ -236,10 +238,15 @@ class AsyncSandbox:
         """Suspend after this many idle seconds (0 = never)."""
         return await self.update(idle_timeout=seconds)
 
+    async def set_egress(self, egress: str | dict[str, Any]) -> SandboxInfo:
+        """Replace the egress policy; it applies at once, to the running guest too."""
+        return await self.update(egress=egress)
+
     async def update(self, *, idle_timeout: float | None = None,
                      metadata: dict[str, Any] | None = None,
-                     public_ports: builtins.list[int] | None = None) -> SandboxInfo:
-        call = _calls.update_sandbox(self.id, idle_timeout, metadata, public_ports)
+                     public_ports: builtins.list[int] | None = None,
+                     egress: str | dict[str, Any] | None = None) -> SandboxInfo:
+        call = _calls.update_sandbox(self.id, idle_timeout, metadata, public_ports, egress)
         self.info = SandboxInfo.from_dict(await self._t.json(call))
         return self.info
 

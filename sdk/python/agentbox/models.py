@@ -42,6 +42,8 @@ class SandboxInfo:
     preview_token: str | None = None  # only from get/update (the owner's view), not list
     public_ports: list[int] = field(default_factory=list)
     preview_url_template: str | None = None
+    # {"default": "deny"|"allow", "allow": [...], "deny": [...], "source": "sandbox"|"host"}
+    egress: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, data: Any) -> SandboxInfo:

@@ -67,17 +67,19 @@ class Sandbox:
                environment: str | None = None, idle_timeout: float | None = None,
                metadata: dict[str, Any] | None = None, keep: bool = False,
                api_key: str | None = None, base_url: str | None = None,
-               timeout: float | None = None) -> Sandbox:
+               timeout: float | None = None,
+               egress: str | dict[str, Any] | None = None) -> Sandbox:
         """Create a sandbox from ``template`` (alias ``environment``). ``idle_timeout``:
         seconds without activity before it is suspended (0 = never; None = the server's
-        default). ``keep=True``: leaving a ``with`` block does not kill it."""
+        default). ``keep=True``: leaving a ``with`` block does not kill it. ``egress``:
+        ``"deny_all"``, ``"allow_all"`` or ``{"default", "allow", "deny"}`` (docs/api.md)."""
         from agentbox.client import AgentBox
 
         client = AgentBox(api_key=api_key, base_url=base_url, timeout=timeout)
         try:
             sandbox = client.create(template, environment=environment,
                                           idle_timeout=idle_timeout, metadata=metadata,
-                                          keep=keep)
+                                          keep=keep, egress=egress)
         except BaseException:
             client.close()
             raise
@@ -235,10 +237,15 @@ class Sandbox:
         """Suspend after this many idle seconds (0 = never)."""
         return self.update(idle_timeout=seconds)
 
+    def set_egress(self, egress: str | dict[str, Any]) -> SandboxInfo:
+        """Replace the egress policy; it applies at once, to the running guest too."""
+        return self.update(egress=egress)
+
     def update(self, *, idle_timeout: float | None = None,
                metadata: dict[str, Any] | None = None,
-               public_ports: builtins.list[int] | None = None) -> SandboxInfo:
-        call = _calls.update_sandbox(self.id, idle_timeout, metadata, public_ports)
+               public_ports: builtins.list[int] | None = None,
+               egress: str | dict[str, Any] | None = None) -> SandboxInfo:
+        call = _calls.update_sandbox(self.id, idle_timeout, metadata, public_ports, egress)
         self.info = SandboxInfo.from_dict(self._t.json(call))
         return self.info
 
