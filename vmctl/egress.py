@@ -249,6 +249,7 @@ def _egress_rules(policy: EgressPolicy, facts: HostFacts) -> tuple[str, str, str
     if lists["holes"][4]:
         forward.append(f"{out} ip daddr @dns4 ip daddr @holes4 accept")
     if policy.allow_egress:
+        each("holes", "accept")  # as the host-wide allow_egress + egress_allow always did
         each("default_denied", "drop")
         forward.append(f"{out} accept")
     masq = f'oifname "{NS_IF}" ip saddr {GUEST_ADDR} masquerade'
