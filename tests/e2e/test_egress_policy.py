@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import running_daemon
+from tests.e2e.conftest import running_daemon, start_daemon, stop_daemon
 from tests.netprobe import listener, probe, probe_code, parse_probe, sh
 
 pytestmark = pytest.mark.e2e
@@ -115,7 +115,7 @@ def internet(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def egress_api(images_built, tmp_path_factory, internet):
+def egress_daemon(images_built, tmp_path_factory, internet):
     root = tmp_path_factory.mktemp("egress-policy")
     config = root / "agentbox.toml"
     config.write_text(
@@ -123,7 +123,13 @@ def egress_api(images_built, tmp_path_factory, internet):
         f'[network]\npool = "{POOL}"\nallow_egress = false\n'
         'egress_allow = ["10.98.0.0/16", "198.51.100.0/24"]\n'
         f'dns_upstream = "{DNS_IP}"\n')
-    with running_daemon(root / "data", config=config) as d, d.client() as client:
+    with running_daemon(root / "data", config=config) as d:
+        yield d, config
+
+
+@pytest.fixture(scope="module")
+def egress_api(egress_daemon):
+    with egress_daemon[0].client() as client:
         yield client
 
 
@@ -237,4 +243,21 @@ def test_the_policy_survives_a_suspend_and_wake(egress_api, sid):
         time.sleep(1)
     got = guest_probe(egress_api, sid, [OTHER_IP, ALLOWED_IP])  # wakes it
     assert got[OTHER_IP] == "reached:internet", got
+    assert got[ALLOWED_IP].startswith("blocked:"), got
+
+
+def test_the_policy_and_resolver_survive_a_daemon_restart(egress_daemon, egress_api, sid):
+    ok = "ok.egress.test"
+    patch(egress_api, sid, {"allow": [OTHER_IP, ok]})
+    d, config = egress_daemon
+    stop_daemon(d)
+    port = int(d.url.rsplit(":", 1)[1])
+    new = start_daemon(d.data_dir, port=port, config=config)
+    d.proc = new.proc  # the module's cleanup stops this one
+    assert egress_api.get(f"/v1/sandboxes/{sid}").json()["egress"]["allow"] == [
+        f"{OTHER_IP}/32", ok]
+    resolved = resolve_in_guest(egress_api, sid, [ok, "bad.egress.test"])
+    assert resolved[ok] == [NAMES[ok]] and str(resolved["bad.egress.test"]).startswith("error")
+    got = guest_probe(egress_api, sid, [OTHER_IP, ALLOWED_IP, NAMES[ok]])
+    assert got[OTHER_IP] == "reached:internet" and got[NAMES[ok]] == "reached:internet", got
     assert got[ALLOWED_IP].startswith("blocked:"), got
