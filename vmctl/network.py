@@ -85,6 +85,12 @@ class NetworkConfig:
             self.egress_policy()
         except ValueError as exc:
             raise ValueError(f"network.egress_allow: {exc}") from exc
+        if self.dns_upstream:
+            from vmctl.dnsfwd import upstream_from
+            try:
+                upstream_from(self.dns_upstream)
+            except ValueError as exc:
+                raise ValueError(f"network.dns_upstream: {exc}") from exc
         net = ipaddress.ip_network(self.pool)
         if net.version != 4 or net.prefixlen > 30:
             raise ValueError(f"network.pool must be an IPv4 network of /30 or larger: {self.pool}")
