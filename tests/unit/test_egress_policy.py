@@ -286,3 +286,20 @@ def test_an_unreachable_upstream_is_servfail_in_bounded_time(monkeypatch):
             assert r is not None and dnsmsg.rcode(r) == dnsmsg.SERVFAIL
 
     asyncio.run(main())
+
+
+# --- the CLI's options ---------------------------------------------------------------------
+
+def test_cli_options_make_the_wire_form():
+    import argparse
+
+    from agentbox import _cli_egress
+
+    parser = argparse.ArgumentParser()
+    _cli_egress.add_rule_options(parser)
+    assert _cli_egress.policy(parser.parse_args([])) is None
+    assert _cli_egress.policy(parser.parse_args(["--egress", "allow_all"])) == "allow_all"
+    got = _cli_egress.policy(parser.parse_args(["--allow", "pypi.org", "--allow", "1.2.3.4",
+                                                "--deny", "*.ads.test"]))
+    assert got == {"default": "deny", "allow": ["pypi.org", "1.2.3.4"], "deny": ["*.ads.test"]}
+    assert parse_egress(got, CFG)["allow"] == ["1.2.3.4/32", "pypi.org"]

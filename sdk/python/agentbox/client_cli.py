@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from agentbox import _cli_egress
 from agentbox import _cli_output as out
 from agentbox.client import AgentBox
 from agentbox.exceptions import AgentBoxError, EndpointNotFoundError
@@ -44,6 +45,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("template", nargs="?", default="python", help="template (default python)")
     p.add_argument("--idle-timeout", type=float, help="seconds idle before suspend (0 = never)")
     p.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
+    _cli_egress.add_rule_options(p)
+    _cli_egress.add_commands(cmd, cmd_egress)
     cmd("ls", cmd_ls, "list sandboxes")
     cmd("info", cmd_info, "show a sandbox").add_argument("sandbox")
     p = cmd("exec", cmd_exec, "run a shell command in a sandbox")
@@ -125,13 +128,31 @@ def cmd_create(args: argparse.Namespace) -> int:
     with _client(args) as box, out.Spinner(f"creating a {args.template} sandbox"):
         start = time.monotonic()
         sandbox = box.create(args.template, idle_timeout=args.idle_timeout,
-                             metadata=_pairs(args.metadata, "--metadata") or None, keep=True)
+                             metadata=_pairs(args.metadata, "--metadata") or None, keep=True,
+                             egress=_cli_egress.policy(args))
     if args.json:
         out.print_json(sandbox.info)
     else:
         print(sandbox.id)
         print(f"created {sandbox.info.template} sandbox {sandbox.id} in "
               f"{time.monotonic() - start:.1f}s", file=sys.stderr)
+    return 0
+
+
+def cmd_egress(args: argparse.Namespace) -> int:
+    """Without rule options: print the policy; with them: replace it."""
+    wanted = _cli_egress.policy(args)
+    with _client(args) as box:
+        info = (box.get(args.sandbox) if wanted is None
+                else box.connect(args.sandbox).set_egress(wanted))
+    if args.json:
+        out.print_json(info.egress)
+    else:
+        egress = info.egress or {}
+        print(f"default  {egress.get('default', '-')}  ({egress.get('source', '-')})")
+        for kind in ("allow", "deny"):
+            for rule in egress.get(kind, []):
+                print(f"{kind:8} {rule}")
     return 0
 
 
