@@ -41,14 +41,17 @@ TARGETS = [ALLOWED_IP, OTHER_IP, DNS_IP, *NAMES.values()]
 POOL = "169.254.56.0/21"  # no other test's pool
 
 DNS_SERVER = r"""
-import socket, struct, sys
+import socket, struct, sys, threading
 names = dict(a.split("=") for a in sys.argv[2].split(","))
 log = sys.argv[1]
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 s.bind((sys.argv[3], 53))  # replies leave from the address asked
-print("ready", flush=True)
-while True:
-    data, src = s.recvfrom(512)
+t = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+t.bind((sys.argv[3], 53))
+t.listen(8)
+
+def answer(data):
     qid, flags = struct.unpack("!HH", data[:4])
     pos, labels = 12, []
     while data[pos]:
@@ -59,13 +62,26 @@ while True:
         f.write(f"{name} {qtype}\n")
     addr = names.get(name)
     if addr is None:
-        s.sendto(struct.pack("!HHHHHH", qid, 0x8183, 1, 0, 0, 0) + question, src)
-        continue
+        return struct.pack("!HHHHHH", qid, 0x8183, 1, 0, 0, 0) + question
     answers = b""
     if qtype == 1:
         answers = struct.pack("!HHHIH", 0xC00C, 1, 1, 60, 4) + socket.inet_aton(addr)
-    s.sendto(struct.pack("!HHHHHH", qid, 0x8180, 1, 1 if answers else 0, 0, 0) + question
-             + answers, src)
+    return (struct.pack("!HHHHHH", qid, 0x8180, 1, 1 if answers else 0, 0, 0) + question
+            + answers)
+
+def tcp():
+    while True:
+        c, _ = t.accept()
+        with c:
+            n = struct.unpack("!H", c.recv(2))[0]
+            r = answer(c.recv(n))
+            c.sendall(struct.pack("!H", len(r)) + r)
+
+threading.Thread(target=tcp, daemon=True).start()
+print("ready", flush=True)
+while True:
+    data, src = s.recvfrom(512)
+    s.sendto(answer(data), src)
 """
 
 
@@ -213,6 +229,32 @@ def test_a_domain_rule_resolves_and_opens_only_the_allowed_name(egress_api, sid,
     assert got[NAMES[ok]] == "reached:internet" and got[NAMES[wild]] == "reached:internet", got
     assert got[NAMES[bad]].startswith("blocked:"), got
     assert probe([("bad", NAMES[bad], PORT, None)])["bad"] == "reached:internet"
+
+
+_TCP_QUERY = r"""
+import json, socket, struct
+out = {}
+for name in NAMES:
+    q = struct.pack("!HHHHHH", 7, 0x0100, 1, 0, 0, 0)
+    q += b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0\0\1\0\1"
+    with socket.create_connection(("169.254.0.22", 53), timeout=10) as s:
+        s.sendall(struct.pack("!H", len(q)) + q)
+        n = struct.unpack("!H", s.recv(2))[0]
+        r = b""
+        while len(r) < n:
+            r += s.recv(n - len(r))
+    out[name] = [r[3] & 15, socket.inet_ntoa(r[-4:]) if r[7] else None]
+print("TCP" + json.dumps(out))
+"""
+
+
+def test_the_resolver_answers_over_tcp_too(egress_api, sid):
+    ok, bad, _ = NAMES
+    patch(egress_api, sid, {"allow": [ok]})
+    stdout = guest(egress_api, sid, f"NAMES = {[ok, bad]!r}\n" + _TCP_QUERY)
+    got = json.loads(next(ln for ln in stdout.splitlines() if ln.startswith("TCP"))[3:])
+    assert got == {ok: [0, NAMES[ok]], bad: [3, None]}, got
+    assert guest_probe(egress_api, sid, [NAMES[ok]])[NAMES[ok]] == "reached:internet"
 
 
 def test_invalid_policies_are_refused(egress_api, sid):
