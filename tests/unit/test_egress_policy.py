@@ -303,3 +303,31 @@ def test_cli_options_make_the_wire_form():
                                                 "--deny", "*.ads.test"]))
     assert got == {"default": "deny", "allow": ["pypi.org", "1.2.3.4"], "deny": ["*.ads.test"]}
     assert parse_egress(got, CFG)["allow"] == ["1.2.3.4/32", "pypi.org"]
+
+
+# --- learned addresses land in the namespace's sets, with the TTL ----------------------------
+
+@needs_nft
+def test_learned_addresses_enter_the_sets_with_their_ttl_as_timeout():
+    ns = f"abtdns{os.getpid()}"
+    policy = EgressPolicy(allow_domains=("ok.test",))
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        text = ruleset("169.254.48.2", policy, FACTS)
+        subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=text.encode(),
+                       check=True)
+        resolver = dnsfwd.Resolver(("127.0.0.1", 53))
+        asyncio.run(resolver._learn(ns, [("198.51.100.1", 5), ("2001:db8::1", 4000)]))
+        asyncio.run(resolver._learn(ns, [("198.51.100.1", 600), ("198.51.100.2", 0)]))
+
+        def listed(name: str) -> str:
+            return subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "set", "inet",
+                                   "agentbox", name], capture_output=True, text=True,
+                                  check=True).stdout
+
+        v4, v6 = listed("dns4"), listed("dns6")
+        assert "198.51.100.1 timeout 10m" in v4, v4  # refreshed to the later answer's TTL
+        assert "198.51.100.2 timeout 30s" in v4, v4  # MIN_TTL
+        assert "2001:db8::1 timeout 1h6m40s" in v6, v6
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
