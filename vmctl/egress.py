@@ -3,22 +3,26 @@
 Theory of operation. A sandbox's namespace sits between the guest (TAP ``tap0``) and the
 host (veth ``veth0``). Everything the guest sends crosses this namespace, so the ruleset
 here is the whole of the guest's network policy. This module is pure (no I/O): a policy
-(what the operator or, later, the tenant allows), the host's facts (its own addresses,
-discovered at set-up by ``vmctl.network``) and the slot go in; ruleset text comes out.
+(the sandbox's own, or the operator's default), the host's facts (its own addresses,
+discovered at set-up by ``vmctl.network``, and the operator's ``egress_allow`` holes) and
+the slot go in; ruleset text comes out. The sets ``dns4``/``dns6`` start empty: the
+sandbox's resolver (``vmctl.dnsfwd``) fills them with the addresses of allowed names.
 
 The guest-facing rules, in the order a packet meets them:
 1. *prerouting, before conntrack* (priority raw): a packet from the TAP whose source is not
    the guest's fixed address is dropped (no spoofing, not even a conntrack entry), and so is
    every IPv6 packet from the TAP (IPv6 egress is not implemented: denied outright, which
    also keeps the namespace's and the host's link-local addresses out of reach).
-2. *input*: the guest can never open anything to the namespace itself.
-3. *forward*: replies to connections the host opened to the guest pass; with egress
-   disallowed nothing else leaves. With egress allowed, destinations are checked in three
-   tiers: always denied (the host's own addresses, the sandbox pool, loopback, link-local,
-   cloud metadata: no allow-list entry opens them), then the allow-list (holes punched by the
-   operator), then ``DEFAULT_DENIED_V4`` (private, CGNAT, documentation,
-   multicast and reserved ranges); whatever is left (the public internet) is accepted and
-   masqueraded to the slot's address.
+2. *input*: the guest can never open anything to the namespace itself, except its resolver
+   (``TAP_ADDR``:53, a socket the daemon holds in the namespace).
+3. *forward*: replies to connections the host opened to the guest pass; with nothing
+   allowed nothing else leaves. Otherwise destinations are checked in tiers: always denied
+   (the host's own addresses, the sandbox pool, loopback, link-local, cloud metadata: no rule
+   opens them), the policy's ``deny`` CIDRs, its ``allow`` CIDRs, the addresses its resolver
+   learned (outside the private ranges, or inside the operator's holes); then, for a
+   default-allow policy, the holes, ``DEFAULT_DENIED_V4``/``_V6`` (private, CGNAT,
+   documentation, multicast and reserved ranges: dropped) and whatever is left (the public
+   internet: accepted). What leaves is masqueraded to the slot's address.
 """
 
 from __future__ import annotations

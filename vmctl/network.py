@@ -252,6 +252,7 @@ async def create(slot: NetSlot, config: NetworkConfig,
     try:
         await asyncio.to_thread(_setup, slot, config, policy, tap_owner)
         if RESOLVER is not None:
+            RESOLVER.detach(slot.netns)  # sockets of a namespace of that name now gone
             await RESOLVER.attach(slot.netns, policy)
     except BaseException as exc:
         if RESOLVER is not None:
