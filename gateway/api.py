@@ -11,6 +11,7 @@ from aiohttp import web
 
 from gateway import lifetimes, listing
 from gateway.errors import BadRequest, Forbidden, NotFound, PayloadTooLarge
+from gateway.egress_api import egress_view, parse_egress
 from gateway.middleware import current_key
 from gateway.preview_auth import ACCESS_KEY, preview_view, validate_public_ports
 from gateway.registry import SandboxRecord
@@ -46,7 +47,14 @@ def sandbox_view(rec: SandboxRecord) -> dict[str, Any]:
         "last_activity": rec.last_activity, "suspend_count": rec.suspend_count,
         "restore_count": rec.restore_count, "last_suspend_ms": rec.last_suspend_ms,
         "last_restore_ms": rec.last_restore_ms, "failure": rec.failure,
+        "egress": egress_view(rec.egress),
     } | lifetimes.view(rec)
+
+
+def _with_egress(request: web.Request, rec: SandboxRecord) -> dict[str, Any]:
+    """``sandbox_view`` with the host default spelled out when the sandbox follows it."""
+    return sandbox_view(rec) | {
+        "egress": egress_view(rec.egress, _service(request).backend.config.network)}
 
 
 def _service(request: web.Request) -> SandboxService:
@@ -85,9 +93,12 @@ async def list_templates(request: web.Request) -> web.Response:
 async def create_sandbox(request: web.Request) -> web.Response:
     body = await read_json(request)
     template, metadata, idle = validate_create(body)
-    rec = await _service(request).create(current_key(request).id, template, metadata, idle,
-                                         lifetimes.parse(body))
-    return json_response(sandbox_view(rec), status=201)
+    svc = _service(request)
+    egress = (parse_egress(body["egress"], svc.backend.config.network)
+              if "egress" in body else None)
+    rec = await svc.create(current_key(request).id, template, metadata, idle,
+                           lifetimes.parse(body), egress)
+    return json_response(_with_egress(request, rec), status=201)
 
 
 @routes.get("/v1/sandboxes")
@@ -100,7 +111,7 @@ async def list_sandboxes(request: web.Request) -> web.Response:
 @routes.get("/v1/sandboxes/{id}")
 async def get_sandbox(request: web.Request) -> web.Response:
     rec = _service(request).get(_tenant(request), request.match_info["id"])
-    return json_response(sandbox_view(rec) | preview_view(request, rec.id))
+    return json_response(_with_egress(request, rec) | preview_view(request, rec.id))
 
 
 @routes.delete("/v1/sandboxes/{id}")
@@ -114,11 +125,16 @@ async def update_sandbox(request: web.Request) -> web.Response:
     body = await read_json(request)
     idle, metadata = validate_update(body)
     ports = validate_public_ports(body["public_ports"]) if "public_ports" in body else None
-    rec = _service(request).update(current_key(request).id, request.match_info["id"], idle,
-                                   metadata, lifetimes.parse(body))
+    svc = _service(request)
+    egress = (parse_egress(body["egress"], svc.backend.config.network)
+              if "egress" in body else None)
+    rec = svc.update(current_key(request).id, request.match_info["id"], idle, metadata,
+                     lifetimes.parse(body))
+    if egress is not None:
+        rec = await svc.set_egress(current_key(request).id, rec.id, egress)
     if ports is not None:
         request.config_dict[ACCESS_KEY].set_public_ports(rec.id, ports)
-    return json_response(sandbox_view(rec) | preview_view(request, rec.id))
+    return json_response(_with_egress(request, rec) | preview_view(request, rec.id))
 
 
 @routes.post("/v1/sandboxes/{id}/suspend")

@@ -34,6 +34,7 @@ from gateway.registry import Registry
 from gateway.reconcile import reconcile
 from gateway.sandboxes import SandboxService, current_wake
 from vmctl import backend as vm_backend
+from vmctl import dnsfwd, network
 from vmctl.golden import Golden, ensure_golden
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,23 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     key_path = ensure_admin_key(registry, config.server.data_dir)
     if key_path:
         log.warning("created the admin API key: %s (mode 0600)", key_path)
+    # The sandboxes' DNS (vmctl.dnsfwd): every namespace made from here on is served by it.
+    resolver = dnsfwd.Resolver(dnsfwd.upstream_from(config.vm.network.dns_upstream))
+    network.RESOLVER = resolver
+    serving = _serve(app, config, registry)
+    try:
+        await anext(serving)
+        yield
+    finally:
+        await serving.aclose()  # stops the service (its finally) if it started
+        await resolver.aclose()
+        if network.RESOLVER is resolver:
+            network.RESOLVER = None
+        registry.close()
+
+
+async def _serve(app: web.Application, config: Config,
+                 registry: Registry) -> AsyncIterator[None]:
     backend, goldens = await load_goldens(config)
     if backend is None:
         raise RuntimeError(f"no template is built in {config.server.images_dir}: run `make images`")
@@ -145,7 +163,6 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await service.aclose()
-        registry.close()
 
 
 def serve(config: Config) -> None:

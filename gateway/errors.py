@@ -89,6 +89,7 @@ ERROR_CODES: dict[str, str] = {
     "invalid_type": "a field has the wrong JSON type",
     "invalid_path": "a file path is not absolute or not allowed",
     "invalid_cwd": "the working directory does not exist in the sandbox",
+    "invalid_egress": "an egress policy is malformed or opens what this host does not allow",
     "not_a_directory": "a path that must be a directory is not one",
     "is_a_directory": "a path that must be a file is a directory",
     "bad_session_name": "a session name is not a DNS label",

@@ -95,6 +95,19 @@ def _list_of(key: str, item: str) -> dict[str, Any]:
 _STR, _NUM, _INT, _BOOL = ({"type": t} for t in ("string", "number", "integer", "boolean"))
 _NSTR, _NNUM = {"type": ["string", "null"]}, {"type": ["number", "null"]}
 _METADATA = {"type": "object", "description": "free-form JSON object (max 16 KiB)"}
+_RULES = {"type": "array", "maxItems": 64, "items": {"type": "string", "maxLength": 253},
+          "description": "CIDRs or addresses (IPv4/IPv6) and domain names (example.com, "
+                         "*.example.com)"}
+_EGRESS_RULES = _obj({"default": {"type": "string", "enum": ["deny", "allow"]},
+                      "allow": _RULES, "deny": _RULES}, additionalProperties=False)
+_EGRESS_IN = {"oneOf": [{"type": "string", "enum": ["deny_all", "allow_all"]}, _EGRESS_RULES],
+              "description": "egress policy: deny wins over allow, default for the rest; "
+                             "domain rules act at the sandbox's resolver (docs/security.md)"}
+_EGRESS_OUT = _obj({"default": {"type": "string", "enum": ["deny", "allow"]},
+                    "allow": _RULES, "deny": _RULES,
+                    "source": {"type": "string", "enum": ["sandbox", "host"],
+                               "description": "host: the sandbox follows the host default"}},
+                   ("source",), additionalProperties=False)
 _IDLE = {"type": "number", "minimum": 0,
          "description": "seconds without activity before the sandbox is suspended; 0 = never"}
 
@@ -105,7 +118,7 @@ def _gateway_schemas() -> dict[str, Any]:
         "template": _STR, "metadata": _METADATA, "idle_timeout": _NNUM,
         "created_at": _NUM, "updated_at": _NUM, "last_activity": _NUM,
         "suspend_count": _INT, "restore_count": _INT, "last_suspend_ms": _NNUM,
-        "last_restore_ms": _NNUM, "failure": _NSTR,
+        "last_restore_ms": _NNUM, "failure": _NSTR, "egress": _EGRESS_OUT,
         # lifetimes (gateway.lifetimes)
         "expires_at": {"type": ["number", "null"], "description": "Unix time its ttl ends"},
         "auto_delete_after": _NUM,
@@ -142,13 +155,14 @@ def _gateway_schemas() -> dict[str, Any]:
         "CreateSandboxRequest": _obj({
             "template": {"type": "string", "description": "default: the server's default"},
             "environment": {"type": "string", "description": "alias of template"},
-            "metadata": _METADATA, "idle_timeout": _IDLE, **_LIFETIMES},
+            "metadata": _METADATA, "idle_timeout": _IDLE, "egress": _EGRESS_IN, **_LIFETIMES},
             additionalProperties=False),
         "UpdateSandboxRequest": _obj({
             "metadata": _METADATA, "idle_timeout": _IDLE, **_LIFETIMES,
             "public_ports": {"type": "array", "items": _INT,
                              "description": "ports served without the preview token "
-                                            "(replaces the list)"}},
+                                            "(replaces the list)"},
+            "egress": _EGRESS_IN},
             additionalProperties=False),
         "Template": _obj({"name": _STR, "mem_mib": _INT, "default": _BOOL}, ("name",)),
         "TemplateList": _list_of("templates", "Template"),

@@ -137,10 +137,12 @@ async def network_ready(service: SandboxService, rec: SandboxRecord) -> None:
     slot = service.plan(rec).slot
     if slot.netns not in network.list_namespaces():
         tap_owner = Machine(service.plan(rec), service.backend).tap_owner
-        await network.create(slot, service.backend.config.network, tap_owner=tap_owner)
+        await network.create(slot, service.backend.config.network,
+                             policy=service.plan(rec).egress, tap_owner=tap_owner)
         return
     try:
-        await network.reload(slot, service.backend.config.network)
+        await network.reload(slot, service.backend.config.network,
+                             policy=service.plan(rec).egress)
     except NetworkError:  # the old ruleset stays; recovering the sandbox matters more
         log.exception("sandbox %s: reloading its firewall failed", rec.id)
 

@@ -94,6 +94,7 @@ class SandboxRecord:
     auto_delete_after: float = 0.0
     snapshot_bytes: int = 0
     asleep_since: float | None = None  # when it last went SUSPENDED or FAILED from awake
+    egress: dict[str, Any] | None = None  # gateway.egress_api's stored form; None: host default
 
 
 def hash_key(key: str) -> str:
@@ -126,6 +127,8 @@ class Registry:
                            ("asleep_since", "REAL")):
             if name not in cols:
                 self._db.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {decl}")
+        if "egress" not in cols:
+            self._db.execute("ALTER TABLE sandboxes ADD COLUMN egress TEXT")
 
     def close(self) -> None:
         self._db.close()
@@ -353,4 +356,5 @@ def _from_row(row: sqlite3.Row) -> SandboxRecord:
     data["state"] = State(data["state"])
     data["metadata"] = json.loads(data["metadata"] or "{}")
     data["vmm"] = json.loads(data["vmm"]) if data["vmm"] else None
+    data["egress"] = json.loads(data["egress"]) if data.get("egress") else None
     return SandboxRecord(**data)

@@ -29,6 +29,7 @@ from gateway.errors import BadRequest, Conflict, SandboxNotFound, TemplateNotFou
 from gateway.lifecycle import State
 from gateway.metrics import Metrics
 from gateway.registry import Registry, SandboxRecord
+from gateway.egress_api import policy_of
 from vmctl import network
 from vmctl.backend import Backend
 from vmctl.golden import BUILD_SLOTS, Golden, load_golden_dir
@@ -78,7 +79,8 @@ class SandboxService:
 
     async def create(self, tenant: str, template: str | None, metadata: dict[str, Any],
                      idle_timeout: float | None,
-                     lifetime: lifetimes.Lifetimes | None = None) -> SandboxRecord:
+                     lifetime: lifetimes.Lifetimes | None = None,
+                     egress: dict[str, Any] | None = None) -> SandboxRecord:
         template = template or self.config.sandbox.default_template
         golden = self.goldens.get(template)
         if golden is None:
@@ -86,7 +88,8 @@ class SandboxService:
                                    f"{', '.join(sorted(self.goldens)) or 'none'}")
         times = lifetimes.at_create(lifetime or lifetimes.Lifetimes(), self.config.sandbox,
                                     time.time())
-        rec = self._reserve(tenant, template, golden, metadata, idle_timeout, times)
+        rec = self._reserve(tenant, template, golden, metadata, idle_timeout,
+                            {**times, "egress": egress})
         ctl = self.controller(rec)
         # The creation runs detached: a client that disconnects does not leave a half-made VM.
         await ctl.create()
@@ -277,6 +280,18 @@ class SandboxService:
         if ctl is not None:
             ctl.close()
 
+    async def set_egress(self, tenant: str, sandbox_id: str,
+                         egress: dict[str, Any]) -> SandboxRecord:
+        """Store a sandbox's new egress policy and apply it now if its namespace exists
+        (running or suspended: the firewall and resolver change in place, no restart)."""
+        rec = self.get(tenant, sandbox_id)
+        self.registry.update(rec.id, egress=egress)
+        rec = self.get(tenant, sandbox_id)
+        slot = self.plan(rec).slot
+        if slot.netns in network.list_namespaces():
+            await network.reload(slot, self.backend.config.network, self.plan(rec).egress)
+        return rec
+
     def golden_for(self, rec: SandboxRecord) -> Golden:
         """The golden snapshot a sandbox was made from (older builds stay loadable)."""
         golden = self._golden_cache.get(rec.golden)
@@ -288,7 +303,8 @@ class SandboxService:
     def plan(self, rec: SandboxRecord) -> MachinePlan:
         slot = network.slot_for(rec.slot, rec.id, self.backend.config.network)
         return MachinePlan(vm_id=rec.id, root=Path(rec.root), slot=slot,
-                           golden=self.golden_for(rec))
+                           golden=self.golden_for(rec),
+                           egress=policy_of(rec.egress, self.backend.config.network))
 
 
 def tree_bytes(root: Path) -> int:
@@ -329,7 +345,7 @@ def parse_object(body: Any, allowed: set[str]) -> dict[str, Any]:
 
 
 def validate_create(body: Any) -> tuple[str | None, dict[str, Any], float | None]:
-    body = parse_object(body, {"template", "environment", "metadata", "idle_timeout",
+    body = parse_object(body, {"template", "environment", "metadata", "idle_timeout", "egress",
                                *lifetimes.FIELDS})
     template = body.get("template", body.get("environment"))
     if template is not None and (not isinstance(template, str) or not template):
@@ -340,6 +356,7 @@ def validate_create(body: Any) -> tuple[str | None, dict[str, Any], float | None
 
 def validate_update(body: Any) -> tuple[float | None, dict[str, Any] | None]:
     # "public_ports" is validated and applied by gateway.preview_auth.
-    body = parse_object(body, {"metadata", "idle_timeout", "public_ports", *lifetimes.FIELDS})
+    body = parse_object(body, {"metadata", "idle_timeout", "public_ports", "egress",
+                               *lifetimes.FIELDS})
     idle = parse_seconds(body.get("idle_timeout"), "idle_timeout")
     return idle, parse_metadata(body.get("metadata"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from guest.protocol import TAP_ADDR
 from images import debs
 from images.hashing import Files, digest, files_digest, snapshot_files, source_digest
 from images.mirror import AptSource, debian_mirror, host_sources, render_deb822, suite_sources
@@ -24,8 +25,10 @@ GUEST_DIR = HERE.parent / "guest"
 BASE_FORMAT = 2
 # The kernel command line. root= and rw are read by our initramfs (init.sh);
 # reboot=k + panic=1 make a crashed guest exit the VMM instead of hanging;
-# quiet keeps TCG boots fast (the serial console is slow).
-CMDLINE = "console=ttyS0 reboot=k panic=1 root=/dev/vda rw quiet"
+# quiet keeps TCG boots fast (the serial console is slow). agentbox.dns: the guest's
+# resolver is its gateway, where the sandbox's namespace hands DNS to the daemon's
+# filtering forwarder (gateway/dns_forwarder.py).
+CMDLINE = f"console=ttyS0 reboot=k panic=1 root=/dev/vda rw quiet agentbox.dns={TAP_ADDR}"
 
 
 @dataclass(frozen=True)

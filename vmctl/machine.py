@@ -35,6 +35,7 @@ from vmctl import faults, network, store
 from vmctl.agent_client import AgentClient
 from vmctl.backend import Backend
 from vmctl.driver import Driver, kill_pid, pid_alive
+from vmctl.egress import EgressPolicy
 from vmctl.errors import SnapshotError, VMGoneError, VmctlError
 from vmctl.golden import Golden
 from vmctl.network import NetSlot
@@ -51,6 +52,7 @@ class MachinePlan:
     root: Path
     slot: NetSlot
     golden: Golden
+    egress: EgressPolicy | None = None  # None: the host's default
 
 
 class RestoreError(VmctlError):
@@ -115,7 +117,7 @@ class Machine:
         first, _ = await asyncio.gather(
             self.backend.layout.materialise(golden.snapshot, root),
             network.create(self.plan.slot, self.backend.config.network,
-                           tap_owner=self.tap_owner))
+                           policy=self.plan.egress, tap_owner=self.tap_owner))
         await self._start_from(first)
 
     async def suspend(self) -> None:

@@ -30,7 +30,7 @@ import subprocess
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pyroute2 import IPRoute, netns
 from pyroute2.netlink.exceptions import NetlinkError
@@ -40,7 +40,14 @@ from vmctl import egress
 from vmctl.egress import NS_IF, EgressPolicy, HostFacts
 from vmctl.errors import NetworkError
 
+if TYPE_CHECKING:
+    from vmctl.dnsfwd import Resolver
+
 log = logging.getLogger(__name__)
+
+# The sandboxes' resolver (``vmctl.dnsfwd.Resolver``), installed by its owner (the gateway
+# app) for its lifetime: create/reload give it each namespace's policy, destroy takes it away.
+RESOLVER: Resolver | None = None
 
 NETNS_PREFIX = "agentbox-"
 NETNS_DIR = "/var/run/netns"
@@ -63,16 +70,27 @@ class NetworkConfig:
     allow_egress: bool = False
     # CIDRs opened in the ranges denied by default (private, CGNAT, ...) when egress is
     # allowed; never the host's own addresses, the pool, loopback or metadata addresses.
+    # They are also the private ranges a sandbox's own policy may open (issue 13).
     egress_allow: tuple[str, ...] = ()
+    # Where the sandboxes' resolver (vmctl.dnsfwd) forwards allowed names: "ADDR" or
+    # "ADDR:PORT"; empty: the first nameserver of the host's /etc/resolv.conf.
+    dns_upstream: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.egress_allow, (str, bytes)):
             raise ValueError("network.egress_allow must be a list of CIDRs")
         object.__setattr__(self, "egress_allow", tuple(self.egress_allow))
         try:
+            self.holes()
             self.egress_policy()
         except ValueError as exc:
             raise ValueError(f"network.egress_allow: {exc}") from exc
+        if self.dns_upstream:
+            from vmctl.dnsfwd import upstream_from
+            try:
+                upstream_from(self.dns_upstream)
+            except ValueError as exc:
+                raise ValueError(f"network.dns_upstream: {exc}") from exc
         net = ipaddress.ip_network(self.pool)
         if net.version != 4 or net.prefixlen > 30:
             raise ValueError(f"network.pool must be an IPv4 network of /30 or larger: {self.pool}")
@@ -81,8 +99,13 @@ class NetworkConfig:
             raise ValueError(f"network.pool {self.pool} overlaps the guest's fixed {fixed}")
 
     def egress_policy(self) -> EgressPolicy:
-        """The policy every sandbox gets today (per-sandbox policies: issue 13)."""
+        """The default policy: what a sandbox gets when it names none."""
         return EgressPolicy.from_config(self.allow_egress, self.egress_allow)
+
+    def holes(self) -> tuple[ipaddress.IPv4Network, ...]:
+        nets = tuple(egress._v4(c) for c in self.egress_allow)
+        EgressPolicy(allow=nets)  # the same "never" checks as every policy's
+        return nets
 
     @property
     def capacity(self) -> int:
@@ -112,7 +135,8 @@ def nft_ruleset(slot: NetSlot, policy: EgressPolicy, facts: HostFacts) -> str:
     return egress.ruleset(slot.guest_addr, policy, facts)
 
 
-def host_facts(slot: NetSlot, pool: str) -> HostFacts:
+def host_facts(slot: NetSlot, pool: str,
+               holes: tuple[ipaddress.IPv4Network, ...] = ()) -> HostFacts:
     """Every IPv4 address the host holds now (local and broadcast, on every interface),
     plus the slot's own host end: a guest must reach none of them."""
     found = {ipaddress.IPv4Address(slot.host_addr)}
@@ -122,7 +146,8 @@ def host_facts(slot: NetSlot, pool: str) -> HostFacts:
                 value = msg.get_attr(attr)
                 if value:
                     found.add(ipaddress.IPv4Address(value))
-    return HostFacts(addresses=tuple(sorted(found)), pool=ipaddress.IPv4Network(pool))
+    return HostFacts(addresses=tuple(sorted(found)), pool=ipaddress.IPv4Network(pool),
+                     holes=holes)
 
 
 def _in_netns(name: str, fn: Callable[[IPRoute], Any]) -> Any:
@@ -174,7 +199,7 @@ def _run(argv: list[str], stdin: bytes = b"") -> None:
         raise NetworkError(f"{' '.join(argv[:5])}: {proc.stderr.decode().strip()}")
 
 
-def _setup(slot: NetSlot, pool: str, policy: EgressPolicy,
+def _setup(slot: NetSlot, config: NetworkConfig, policy: EgressPolicy,
            tap_owner: tuple[int, int] | None) -> None:
     _run(["ip", "netns", "add", slot.netns])
     with IPRoute() as host:
@@ -184,19 +209,19 @@ def _setup(slot: NetSlot, pool: str, policy: EgressPolicy,
         host.addr("add", index=idx, address=slot.host_addr, prefixlen=30)
         host.link("set", index=idx, state="up")
     _in_netns(slot.netns, lambda ns: _configure_inside(ns, slot, tap_owner))
-    _load_policy(slot, pool, policy)
+    _load_policy(slot, config, policy)
 
 
-def _load_policy(slot: NetSlot, pool: str, policy: EgressPolicy) -> None:
+def _load_policy(slot: NetSlot, config: NetworkConfig, policy: EgressPolicy) -> None:
     """(Re)load the namespace's ruleset, with the host's addresses as they are now."""
     script = "echo 1 > /proc/sys/net/ipv4/ip_forward && nft -f -"
     _run(["ip", "netns", "exec", slot.netns, "sh", "-c", script],
-         nft_ruleset(slot, policy, host_facts(slot, pool)).encode())
+         nft_ruleset(slot, policy, host_facts(slot, config.pool, config.holes())).encode())
     # IPv4 forwards what arrives on an interface whose own `forwarding` is on. Only an
     # egress-allowed sandbox's host end gets it; the rest of the path (uplink forwarding,
     # NAT of the pool) is the operator's (docs/operations.md).
     _write_sysctl(f"/proc/sys/net/ipv4/conf/{slot.host_if}/forwarding",
-                  "1" if policy.allow_egress else "0")
+                  "1" if policy.guest_egress else "0")
 
 
 def _write_sysctl(path: str, value: str) -> None:
@@ -225,8 +250,13 @@ async def create(slot: NetSlot, config: NetworkConfig,
     ``tap_owner``: uid/gid of the VMM that will attach to the TAP."""
     policy = policy or config.egress_policy()
     try:
-        await asyncio.to_thread(_setup, slot, config.pool, policy, tap_owner)
+        await asyncio.to_thread(_setup, slot, config, policy, tap_owner)
+        if RESOLVER is not None:
+            RESOLVER.detach(slot.netns)  # sockets of a namespace of that name now gone
+            await RESOLVER.attach(slot.netns, policy)
     except BaseException as exc:
+        if RESOLVER is not None:
+            RESOLVER.detach(slot.netns)
         await asyncio.shield(asyncio.to_thread(_teardown_quiet, slot))
         if isinstance(exc, (NetlinkError, OSError, subprocess.SubprocessError)):
             raise NetworkError(f"setting up {slot.netns}: {exc}") from exc
@@ -237,15 +267,19 @@ async def reload(slot: NetSlot, config: NetworkConfig,
                  policy: EgressPolicy | None = None) -> None:
     """Replace the ruleset of ``slot``'s existing namespace (atomically: one nft transaction).
     Connections the guest already has open stay open (conntrack keeps them)."""
+    policy = policy or config.egress_policy()
     try:
-        await asyncio.to_thread(_load_policy, slot, config.pool,
-                                policy or config.egress_policy())
+        await asyncio.to_thread(_load_policy, slot, config, policy)
+        if RESOLVER is not None:
+            await RESOLVER.attach(slot.netns, policy)
     except (OSError, subprocess.SubprocessError) as exc:
         raise NetworkError(f"reloading the firewall of {slot.netns}: {exc}") from exc
 
 
 async def destroy(slot: NetSlot) -> None:
     """Remove everything ``create`` made. Idempotent."""
+    if RESOLVER is not None:
+        RESOLVER.detach(slot.netns)
     try:
         await asyncio.shield(asyncio.to_thread(_teardown, slot))
     except (NetlinkError, OSError) as exc:

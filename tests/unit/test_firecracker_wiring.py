@@ -148,7 +148,7 @@ def _fake_host(monkeypatch: pytest.MonkeyPatch, host: Host) -> None:
     monkeypatch.setenv("FCSIM_NETNS_DIR", str(netns_dir))
 
     async def create(slot: network.NetSlot, config: network.NetworkConfig, *,
-                     tap_owner: int | None = None) -> None:
+                     policy: object = None, tap_owner: int | None = None) -> None:
         host.net.append(("create", slot.netns))
         (netns_dir / slot.netns).touch()
 

@@ -40,9 +40,9 @@ def _drop_none(**fields: Any) -> dict[str, Any]:
 
 def create_sandbox(template: str | None, idle_timeout: float | None,
                    metadata: dict[str, Any] | None, ttl: float | None = None,
-                   auto_delete_after: float | None = None) -> Call:
+                   auto_delete_after: float | None = None, egress: Any = None) -> Call:
     body = _drop_none(template=template, idle_timeout=idle_timeout, metadata=metadata, ttl=ttl,
-                      auto_delete_after=auto_delete_after)
+                      auto_delete_after=auto_delete_after, egress=egress)
     return Call("POST", "/v1/sandboxes", json=body)
 
 
@@ -98,13 +98,13 @@ def resume_sandbox(sandbox_id: str) -> Call:
 def update_sandbox(sandbox_id: str, idle_timeout: float | None = None,
                    metadata: dict[str, Any] | None = None,
                    public_ports: list[int] | None = None, ttl: float | None = None,
-                   auto_delete_after: float | None = None) -> Call:
+                   auto_delete_after: float | None = None, egress: Any = None) -> Call:
     body = _drop_none(idle_timeout=idle_timeout, metadata=metadata,
                       public_ports=None if public_ports is None else _ports(public_ports),
-                      ttl=ttl, auto_delete_after=auto_delete_after)
+                      ttl=ttl, auto_delete_after=auto_delete_after, egress=egress)
     if not body:
         raise InvalidArgumentError("nothing to update: give idle_timeout, metadata, "
-                                   "public_ports, ttl and/or auto_delete_after")
+                                   "public_ports, ttl, auto_delete_after and/or egress")
     return Call("PATCH", _sb(sandbox_id), json=body)
 
 

@@ -48,13 +48,14 @@ class AsyncAgentBox:
                      environment: str | None = None, idle_timeout: float | None = None,
                      metadata: dict[str, Any] | None = None, keep: bool = False,
                      ttl: float | None = None,
-                     auto_delete_after: float | None = None) -> AsyncSandbox:
+                     auto_delete_after: float | None = None,
+                     egress: str | dict[str, Any] | None = None) -> AsyncSandbox:
         """A new sandbox from ``template`` (alias ``environment``); see
         :meth:`AsyncSandbox.create`. ``ttl``: destroyed that many seconds after create;
         ``auto_delete_after``: destroyed after that many seconds suspended (0 = never;
         default: the server's)."""
         call = _calls.create_sandbox(_common.pick_template(template, environment), idle_timeout,
-                                     metadata, ttl, auto_delete_after)
+                                     metadata, ttl, auto_delete_after, egress)
         info = SandboxInfo.from_dict(await self._transport.json(call))
         return AsyncSandbox(self, info, keep=keep)
 

@@ -71,10 +71,12 @@ class AsyncSandbox:
                      metadata: dict[str, Any] | None = None, keep: bool = False,
                      api_key: str | None = None, base_url: str | None = None,
                      timeout: float | None = None, ttl: float | None = None,
-                     auto_delete_after: float | None = None) -> AsyncSandbox:
+                     auto_delete_after: float | None = None,
+                     egress: str | dict[str, Any] | None = None) -> AsyncSandbox:
         """Create a sandbox from ``template`` (alias ``environment``). ``idle_timeout``:
         seconds without activity before it is suspended (0 = never; None = the server's
-        default). ``keep=True``: leaving a ``with`` block does not kill it."""
+        default). ``keep=True``: leaving a ``with`` block does not kill it. ``egress``:
+        ``"deny_all"``, ``"allow_all"`` or ``{"default", "allow", "deny"}`` (docs/api.md)."""
         from agentbox.async_client import AsyncAgentBox
 
         client = AsyncAgentBox(api_key=api_key, base_url=base_url, timeout=timeout)
@@ -82,7 +84,7 @@ class AsyncSandbox:
             sandbox = await client.create(template, environment=environment,
                                           idle_timeout=idle_timeout, metadata=metadata,
                                           keep=keep, ttl=ttl,
-                                          auto_delete_after=auto_delete_after)
+                                          auto_delete_after=auto_delete_after, egress=egress)
         except BaseException:
             await client.aclose()
             raise
@@ -240,14 +242,20 @@ class AsyncSandbox:
         """Suspend after this many idle seconds (0 = never)."""
         return await self.update(idle_timeout=seconds)
 
+    async def set_egress(self, egress: str | dict[str, Any]) -> SandboxInfo:
+        """Replace the egress policy; it applies at once, to the running guest too."""
+        return await self.update(egress=egress)
+
     async def update(self, *, idle_timeout: float | None = None,
                      metadata: dict[str, Any] | None = None,
                      public_ports: builtins.list[int] | None = None,
                      ttl: float | None = None,
-                     auto_delete_after: float | None = None) -> SandboxInfo:
-        """Change its settings; ``ttl`` counts from now (extend it; 0 = no deadline)."""
+                     auto_delete_after: float | None = None,
+                     egress: str | dict[str, Any] | None = None) -> SandboxInfo:
+        """Change its settings; ``ttl`` counts from now (extend it; 0 = no deadline);
+        ``egress`` applies at once, also to a running guest."""
         call = _calls.update_sandbox(self.id, idle_timeout, metadata, public_ports, ttl,
-                                     auto_delete_after)
+                                     auto_delete_after, egress)
         self.info = SandboxInfo.from_dict(await self._t.json(call))
         return self.info
 

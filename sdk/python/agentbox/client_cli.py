@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from agentbox import _cli_egress
 from agentbox import _cli_output as out
 from agentbox.client import AgentBox
 from agentbox.exceptions import AgentBoxError, EndpointNotFoundError
@@ -48,6 +49,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ttl", type=float, help="seconds until it is destroyed (0 = never)")
     p.add_argument("--auto-delete-after", type=float,
                    help="seconds suspended before it is destroyed (0 = never)")
+    _cli_egress.add_rule_options(p)
+    _cli_egress.add_commands(cmd, cmd_egress)
     p = cmd("ls", cmd_ls, "list sandboxes (oldest first; filters combine)")
     p.add_argument("--state", action="append", default=[], help="e.g. running (repeatable)")
     p.add_argument("--template")
@@ -137,13 +140,31 @@ def cmd_create(args: argparse.Namespace) -> int:
         start = time.monotonic()
         sandbox = box.create(args.template, idle_timeout=args.idle_timeout,
                              metadata=_pairs(args.metadata, "--metadata") or None, keep=True,
-                             ttl=args.ttl, auto_delete_after=args.auto_delete_after)
+                             ttl=args.ttl, auto_delete_after=args.auto_delete_after,
+                             egress=_cli_egress.policy(args))
     if args.json:
         out.print_json(sandbox.info)
     else:
         print(sandbox.id)
         print(f"created {sandbox.info.template} sandbox {sandbox.id} in "
               f"{time.monotonic() - start:.1f}s", file=sys.stderr)
+    return 0
+
+
+def cmd_egress(args: argparse.Namespace) -> int:
+    """Without rule options: print the policy; with them: replace it."""
+    wanted = _cli_egress.policy(args)
+    with _client(args) as box:
+        info = (box.get(args.sandbox) if wanted is None
+                else box.connect(args.sandbox).set_egress(wanted))
+    if args.json:
+        out.print_json(info.egress)
+    else:
+        egress = info.egress or {}
+        print(f"default  {egress.get('default', '-')}  ({egress.get('source', '-')})")
+        for kind in ("allow", "deny"):
+            for rule in egress.get(kind, []):
+                print(f"{kind:8} {rule}")
     return 0
 
 

@@ -212,7 +212,8 @@ _BY_CODE: dict[str, type[AgentBoxError]] = {
 # status (``_BY_STATUS``): the code stays on the exception (``exc.code``). Every server code is
 # in exactly one of the two tables and no other code is (tests/unit/test_error_codes.py).
 _BY_STATUS_CODES = frozenset({
-    "bad_request", "bad_json", "invalid_type", "invalid_path", "invalid_cwd", "not_a_directory",
+    "bad_request", "bad_json", "invalid_type", "invalid_path", "invalid_cwd", "invalid_egress",
+    "not_a_directory",
     "is_a_directory", "bad_session_name", "websocket_required", "http_error", "unauthorized",
     "forbidden", "cross_origin_refused", "port_reserved", "not_found", "key_not_found",
     "conflict", "not_running", "stdin_closed", "context_exists", "session_name_taken",

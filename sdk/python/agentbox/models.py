@@ -45,6 +45,8 @@ class SandboxInfo:
     expires_at: float | None = None  # Unix time its ttl ends (None: no ttl)
     auto_delete_after: float = 0.0  # seconds asleep before it is deleted (0 = never)
     delete_at: float | None = None  # asleep: when auto_delete_after ends
+    # {"default": "deny"|"allow", "allow": [...], "deny": [...], "source": "sandbox"|"host"}
+    egress: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, data: Any) -> SandboxInfo:

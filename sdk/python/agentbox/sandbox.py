@@ -70,10 +70,12 @@ class Sandbox:
                metadata: dict[str, Any] | None = None, keep: bool = False,
                api_key: str | None = None, base_url: str | None = None,
                timeout: float | None = None, ttl: float | None = None,
-               auto_delete_after: float | None = None) -> Sandbox:
+               auto_delete_after: float | None = None,
+               egress: str | dict[str, Any] | None = None) -> Sandbox:
         """Create a sandbox from ``template`` (alias ``environment``). ``idle_timeout``:
         seconds without activity before it is suspended (0 = never; None = the server's
-        default). ``keep=True``: leaving a ``with`` block does not kill it."""
+        default). ``keep=True``: leaving a ``with`` block does not kill it. ``egress``:
+        ``"deny_all"``, ``"allow_all"`` or ``{"default", "allow", "deny"}`` (docs/api.md)."""
         from agentbox.client import AgentBox
 
         client = AgentBox(api_key=api_key, base_url=base_url, timeout=timeout)
@@ -81,7 +83,7 @@ class Sandbox:
             sandbox = client.create(template, environment=environment,
                                           idle_timeout=idle_timeout, metadata=metadata,
                                           keep=keep, ttl=ttl,
-                                          auto_delete_after=auto_delete_after)
+                                          auto_delete_after=auto_delete_after, egress=egress)
         except BaseException:
             client.close()
             raise
@@ -239,14 +241,20 @@ class Sandbox:
         """Suspend after this many idle seconds (0 = never)."""
         return self.update(idle_timeout=seconds)
 
+    def set_egress(self, egress: str | dict[str, Any]) -> SandboxInfo:
+        """Replace the egress policy; it applies at once, to the running guest too."""
+        return self.update(egress=egress)
+
     def update(self, *, idle_timeout: float | None = None,
                metadata: dict[str, Any] | None = None,
                public_ports: builtins.list[int] | None = None,
                ttl: float | None = None,
-               auto_delete_after: float | None = None) -> SandboxInfo:
-        """Change its settings; ``ttl`` counts from now (extend it; 0 = no deadline)."""
+               auto_delete_after: float | None = None,
+               egress: str | dict[str, Any] | None = None) -> SandboxInfo:
+        """Change its settings; ``ttl`` counts from now (extend it; 0 = no deadline);
+        ``egress`` applies at once, also to a running guest."""
         call = _calls.update_sandbox(self.id, idle_timeout, metadata, public_ports, ttl,
-                                     auto_delete_after)
+                                     auto_delete_after, egress)
         self.info = SandboxInfo.from_dict(self._t.json(call))
         return self.info
 
