@@ -48,6 +48,7 @@ class Histogram:
 class Metrics:
     restore_seconds: Histogram = field(default_factory=Histogram)
     suspend_seconds: Histogram = field(default_factory=Histogram)
+    unpause_seconds: Histogram = field(default_factory=Histogram)  # wake from PAUSED
     events: Counter[str] = field(default_factory=Counter)  # restores, restore_failures, ...
 
     def render(self, states: Counter[str], held: int) -> str:
@@ -59,6 +60,7 @@ class Metrics:
                   for e, n in sorted(self.events.items())]
         lines += self.restore_seconds.render("agentbox_restore_seconds")
         lines += self.suspend_seconds.render("agentbox_suspend_seconds")
+        lines += self.unpause_seconds.render("agentbox_unpause_seconds")
         return "\n".join(lines) + "\n"
 
 
