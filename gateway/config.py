@@ -84,9 +84,20 @@ class SandboxConfig:
     default_template: str = "python"
     idle_timeout: float = 60.0
     max_sandboxes: int = 256
+    # Pause before snapshot (gateway.pause): seconds an idle sandbox stays PAUSED (VMM alive,
+    # RAM held) before its snapshot; 0 = snapshot at once. Paused ones are snapshotted
+    # earlier when MemAvailable drops below pause_min_available_mib or more than max_paused
+    # are paused (0 = no such limit).
+    suspend_after_pause: float = 300.0
+    max_paused: int = 32
+    pause_min_available_mib: int = 2048
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "templates", tuple(self.templates))
+        if self.suspend_after_pause < 0 or self.max_paused < 0 \
+                or self.pause_min_available_mib < 0:
+            raise ValueError("suspend_after_pause, max_paused and pause_min_available_mib "
+                             "must be >= 0")
         if self.default_template not in self.templates:
             raise ValueError(f"default_template {self.default_template!r} is not in templates")
         if self.idle_timeout < 0:
