@@ -1,0 +1,134 @@
+"""Pause before snapshot with real VMs (issue 12, part 2): an idle sandbox is PAUSED (its VMM
+alive, using no CPU), a request wakes it with its state, after the second timeout it is
+snapshotted and its VMM is gone, and a daemon killed while a sandbox is paused re-adopts it.
+
+Its own daemon: the suite's config snapshots idle sandboxes at once (suspend_after_pause = 0).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import CONFIG, start_daemon, stop_daemon, vmm_pids_for
+
+pytestmark = pytest.mark.e2e
+
+PAUSED_FOR = 12  # suspend_after_pause of this daemon (s)
+IDLE = 2  # the sandboxes' idle_timeout (s)
+TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.fixture(scope="module")
+def pausing(images_built, tmp_path_factory):
+    root = tmp_path_factory.mktemp("pause")
+    config = root / "agentbox-pause.toml"
+    text = CONFIG.read_text()
+    assert "suspend_after_pause = 0" in text
+    config.write_text(text.replace("suspend_after_pause = 0", f"suspend_after_pause = {PAUSED_FOR}"))
+    holder = {"config": config, "data": root / "data"}
+    holder["daemon"] = start_daemon(holder["data"], config=config)
+    yield holder
+    d = holder["daemon"]
+    try:
+        if d.proc.poll() is None:
+            with d.client() as c:
+                for sb in c.get("/v1/sandboxes").json()["sandboxes"]:
+                    c.delete(f"/v1/sandboxes/{sb['id']}")
+    finally:
+        stop_daemon(d)
+        leftovers = vmm_pids_for(str(holder["data"]))
+        for pid in leftovers:
+            os.kill(pid, signal.SIGKILL)
+        assert not leftovers, f"VMM processes left behind: {leftovers}"
+
+
+def wait_state(c: httpx.Client, sid: str, state: str, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    got: dict = {}
+    while time.monotonic() < deadline:
+        got = c.get(f"/v1/sandboxes/{sid}").json()
+        if got["state"] == state:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"{sid} did not reach {state}: {got}")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * TICK_S  # utime + stime, all threads
+
+
+def cpu_over(pid: int, seconds: float = 1.0) -> float:
+    before = cpu_seconds(pid)
+    time.sleep(seconds)
+    return cpu_seconds(pid) - before
+
+
+def run_code(c: httpx.Client, sid: str, code: str) -> httpx.Response:
+    r = c.post(f"/v1/sandboxes/{sid}/run_code", json={"code": code})
+    assert r.status_code == 200 and r.json()["error"] is None, r.text
+    return r
+
+
+def value(r: httpx.Response) -> str:
+    return r.json()["results"][0]["text/plain"]
+
+
+def test_idle_pauses_then_wakes_with_state_then_snapshots(pausing):
+    with pausing["daemon"].client() as c:
+        sid = c.post("/v1/sandboxes", json={"idle_timeout": 0}).json()["id"]
+        run_code(c, sid, "x = 41")
+        [pid] = vmm_pids_for(sid)
+        running_cpu = cpu_over(pid)
+        assert c.patch(f"/v1/sandboxes/{sid}", json={"idle_timeout": IDLE}).status_code == 200
+        wait_state(c, sid, "paused", timeout=30)
+        assert vmm_pids_for(sid) == [pid], "the paused sandbox's VMM must stay"
+        paused_cpu = cpu_over(pid)
+        print(f"VMM CPU over 1 s: running idle {running_cpu:.3f} s, paused {paused_cpu:.3f} s")
+        assert paused_cpu <= 3 * TICK_S, (paused_cpu, running_cpu)
+        time.sleep(2)  # the guest clock stands still while paused: the wake fixes it
+
+        r = run_code(c, sid, "x += 1\nx")
+        assert value(r) == "42"
+        wake_ms = float(r.headers["X-AgentBox-Wake-Ms"])
+        assert 0 < wake_ms < 2000
+        assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
+        assert vmm_pids_for(sid) == [pid]
+        guest = float(c.post(f"/v1/sandboxes/{sid}/execute",
+                             json={"command": "date +%s.%N"}).json()["stdout"])
+        assert abs(guest - time.time()) < 2.0
+
+        paused_at = wait_state(c, sid, "paused", timeout=30)
+        info = wait_state(c, sid, "suspended", timeout=PAUSED_FOR + 60)
+        assert info["suspend_count"] == 1 and paused_at["suspend_count"] == 0
+        assert vmm_pids_for(sid) == [], "a snapshotted sandbox keeps no VMM"
+        assert value(run_code(c, sid, "x += 1\nx")) == "43"  # restored from its snapshot
+        events = [t for t in c.get("/metrics").text.splitlines() if "unpause" in t]
+        assert any(line.startswith('agentbox_events_total{event="unpause"} ') for line in events)
+        c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_daemon_killed_while_paused_readopts_the_paused_vmm(pausing):
+    d = pausing["daemon"]
+    with d.client() as c:
+        sid = c.post("/v1/sandboxes", json={"idle_timeout": IDLE}).json()["id"]
+        run_code(c, sid, "y = 'kept'")
+        wait_state(c, sid, "paused", timeout=30)
+    [pid] = vmm_pids_for(sid)
+    stop_daemon(d, signal.SIGKILL)
+    port = int(d.url.rsplit(":", 1)[1])
+    d = pausing["daemon"] = start_daemon(pausing["data"], port=port, config=pausing["config"])
+    with d.client() as c:
+        assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "paused"
+        assert vmm_pids_for(sid) == [pid], "re-adopted, not restarted"
+        assert cpu_over(pid) <= 3 * TICK_S  # still stopped
+        r = run_code(c, sid, "y")
+        assert value(r) == "'kept'" and "X-AgentBox-Wake-Ms" in r.headers
+        assert vmm_pids_for(sid) == [pid]
+        c.delete(f"/v1/sandboxes/{sid}")
