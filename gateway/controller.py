@@ -240,6 +240,14 @@ class SandboxController:
         assert self._op is not None
         return self._op
 
+    def start_pause(self, cause: str) -> asyncio.Task:
+        """Pause now (RUNNING, unused). Returns the operation's task."""
+        for cmd in self._run(self.core.handle(c.PauseRequested(cause))):
+            if isinstance(cmd, c.Reject):
+                raise cmd.error
+        assert self._op is not None
+        return self._op
+
     def close(self) -> None:
         """Stop watching the VMM (the daemon is stopping; the VMM keeps running)."""
         self._stop_watch()

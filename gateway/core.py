@@ -161,6 +161,13 @@ class SuspendFailed:
 
 
 @dataclass(frozen=True)
+class PauseRequested:
+    """Pause now, idle or not (e.g. a warm-pool member waiting to be claimed)."""
+
+    cause: str
+
+
+@dataclass(frozen=True)
 class PauseFinished:
     now: float
 
@@ -464,7 +471,7 @@ class SandboxCore:
             and self.idle_for(now) >= timeout
 
     def _on_IdleTick(self, ev: IdleTick) -> list[Command]:
-        if self.state is S.PAUSED and self.op is None and not self.entering \
+        if self.state is S.PAUSED and self.op is None and not self.entering and ev.timeout > 0 \
                 and ev.now - self.paused_since >= self.policy.suspend_after_pause:
             return self._begin_suspend(f"paused for {self.policy.suspend_after_pause:g}s")
         return [ProbeGuest()] if self._idle(ev.now, ev.timeout) else []
@@ -535,6 +542,11 @@ class SandboxCore:
     def _begin_pause(self, cause: str) -> list[Command]:
         self.op = Op.PAUSE
         return [*self._record(E.PAUSE, cause), StartOp(Op.PAUSE)]
+
+    def _on_PauseRequested(self, ev: PauseRequested) -> list[Command]:
+        if self.state is not S.RUNNING or self.op is not None or self.active or self.entering:
+            return [Reject(Conflict(f"sandbox is {self.state.value}", code="not_running"))]
+        return self._begin_pause(ev.cause)
 
     def _on_PauseFinished(self, ev: PauseFinished) -> list[Command]:
         self.op = None

@@ -198,3 +198,14 @@ def test_mem_available(tmp_path: Path):
     f.write_text("garbage")
     assert pause.mem_available_mib(f) is None
     assert pause.mem_available_mib(tmp_path / "missing") is None
+
+
+def test_pause_on_request_and_idle_timeout_zero_never_snapshots_a_paused_one():
+    k = core(S.RUNNING, suspend_after_pause=5)
+    cmds = k.handle(c.PauseRequested("warm pool member"))
+    assert records(cmds) == [E.PAUSE] and k.state is S.PAUSED
+    k.handle(c.PauseFinished(0.0))
+    assert k.handle(c.IdleTick(1000.0, 0)) == []  # idle_timeout 0: never sleeps further
+    k2 = core(S.RUNNING)
+    k2.handle(c.RequestEntered())
+    assert isinstance(k2.handle(c.PauseRequested("pool"))[0], c.Reject)
