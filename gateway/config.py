@@ -107,11 +107,23 @@ class SandboxConfig:
 
 
 @dataclass(frozen=True)
+class PoolConfig:
+    """The warm pool (gateway.pool): sandboxes per template kept restored and paused."""
+
+    size: int = -1  # -1: sized to the host (gateway.pool.auto_size); 0: no pool
+
+    def __post_init__(self) -> None:
+        if self.size < -1 or self.size > 64:
+            raise ValueError("size must be -1 (auto), 0 (off) or up to 64")
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     vm: VMConfig = field(default_factory=VMConfig)
     tenancy: TenancyConfig = field(default_factory=TenancyConfig)  # gateway.quotas
+    pool: PoolConfig = field(default_factory=PoolConfig)  # gateway.pool
 
 
 def _section(cls: type, data: dict[str, Any], name: str) -> Any:
@@ -134,7 +146,7 @@ def load(path: Path | None = None, **overrides: Any) -> Config:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
     unknown = set(raw) - {"server", "sandbox", "vm", "network", "firecracker", "confine",
-                          "tenancy"}
+                          "tenancy", "pool"}
     if unknown:
         raise ConfigError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}")
     server_raw = dict(raw.get("server", {}))
@@ -148,4 +160,5 @@ def load(path: Path | None = None, **overrides: Any) -> Config:
                              "confine": confine}, "vm")
     return Config(server=_section(ServerConfig, server_raw, "server"),
                   sandbox=_section(SandboxConfig, raw.get("sandbox", {}), "sandbox"), vm=vm,
-                  tenancy=_section(TenancyConfig, raw.get("tenancy", {}), "tenancy"))
+                  tenancy=_section(TenancyConfig, raw.get("tenancy", {}), "tenancy"),
+                  pool=_section(PoolConfig, raw.get("pool", {}), "pool"))

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
-from gateway import pause, quotas
+from gateway import pause, pool, quotas
 from gateway.config import Config
 from gateway.controller import HoldCounter, SandboxController, Wake, WakePolicy
 from gateway.errors import BadRequest, Conflict, SandboxNotFound, TemplateNotFound, Unavailable
@@ -57,6 +57,9 @@ class SandboxService:
         self._tasks: set[asyncio.Task] = set()
         self._golden_cache: dict[str, Golden] = {str(g.dir): g for g in goldens.values()}
         self._idle_task: asyncio.Task | None = None
+        size = config.pool.size if config.pool.size >= 0 else \
+            pool.auto_size(pool.mem_total_mib(), len(goldens))
+        self.pool = pool.WarmPool(self, size)
 
     @property
     def sandboxes_dir(self) -> Path:
@@ -83,6 +86,10 @@ class SandboxService:
             raise TemplateNotFound(f"template {template!r} not found; available: "
                                    f"{', '.join(sorted(self.goldens)) or 'none'}")
         await self.make_room(tenant)
+        claimed = await self.pool.claim(tenant, template, metadata, self.config.sandbox.idle_timeout
+                                        if idle_timeout is None else idle_timeout)
+        if claimed is not None:
+            return claimed
         rec = self._reserve(tenant, template, golden, metadata, idle_timeout)
         ctl = self.controller(rec)
         # The creation runs detached: a client that disconnects does not leave a half-made VM.
@@ -226,7 +233,8 @@ class SandboxService:
     def _paused(self) -> list[pause.PausedSandbox]:
         return [pause.PausedSandbox(ctl.id, ctl.rec.tenant, ctl.core.paused_since)
                 for ctl in self._controllers.values()
-                if ctl.state is State.PAUSED and ctl.core.op is None]
+                if ctl.state is State.PAUSED and ctl.core.op is None
+                and ctl.rec.tenant != pool.POOL_TENANT]
 
     def _relieve_pressure(self) -> None:
         """Snapshot one paused sandbox per scan while the host needs its memory."""
@@ -278,9 +286,12 @@ class SandboxService:
 
     def start(self) -> None:
         self._idle_task = self.spawn(self._idle_loop(), "idle-loop")
+        self.pool.start()
 
     async def aclose(self, timeout: float = 15.0) -> None:
-        """Stop background work; VMMs keep running for the next daemon to adopt."""
+        """Stop background work; VMMs keep running for the next daemon to adopt (but the
+        warm pool's own members are destroyed)."""
+        await self.pool.aclose()
         if self._idle_task is not None:
             self._idle_task.cancel()
         ops = [t for t in self._tasks if t is not self._idle_task]
