@@ -153,9 +153,11 @@ class WarmPool:
         ctl.rec = svc.registry.get(ctl.id) or ctl.rec
         self.claims += 1
         claimed.set(True)
-        self._wake.set()
-        async with ctl.request():  # wakes it: cont, guest clock, fresh entropy (CRNG reseed)
-            pass
+        try:
+            async with ctl.request():  # wakes it: cont, guest clock, fresh entropy (reseed)
+                pass
+        finally:
+            self._wake.set()  # refill after the claim, not during it
         return ctl.rec
 
     def _take(self, template: str) -> Any:

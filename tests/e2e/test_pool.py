@@ -117,3 +117,21 @@ def test_create_claims_a_pooled_vm_and_the_pool_refills(pooled):
             assert rc.status_code == 201 and rc.headers.get("X-AgentBox-Pool") == "claimed"
             print(f"claimed create: {(time.monotonic() - t) * 1000:.0f} ms")
             assert sh(other, rc.json()["id"], "echo ok") == "ok"
+
+
+def test_a_killed_daemon_readopts_its_pool_members(pooled, tmp_path):
+    before = wait_full(pooled)
+    pids = {sid: vmm_pids_for(sid) for sid in before}
+    pooled.proc.send_signal(signal.SIGKILL)
+    pooled.proc.wait(30)
+    port = int(pooled.url.rsplit(":", 1)[1])
+    config = pooled.proc.args[pooled.proc.args.index("--config") + 1]
+    d = start_daemon(pooled.data_dir, port=port, config=config)
+    pooled.proc = d.proc  # the fixture stops this one
+    assert wait_full(d) == before, "the same members, re-adopted (not replaced)"
+    assert {sid: vmm_pids_for(sid) for sid in before} == pids
+    with d.client() as c:
+        r = c.post("/v1/sandboxes", json={})
+        assert r.status_code == 201 and r.headers.get("X-AgentBox-Pool") == "claimed"
+        assert r.json()["id"] in before
+        assert sh(c, r.json()["id"], "echo ok") == "ok"
