@@ -30,6 +30,7 @@ import contextvars
 import logging
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gateway import core as c
@@ -69,7 +70,7 @@ def refill_choice(members: Mapping[str, int], target: int, foreground_busy: bool
 
 def mem_total_mib() -> int | None:
     try:
-        for line in open("/proc/meminfo").read().splitlines():
+        for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):
                 return int(line.split()[1]) // 1024
     except (OSError, ValueError, IndexError):

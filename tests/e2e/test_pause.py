@@ -30,7 +30,8 @@ def pausing(images_built, tmp_path_factory):
     config = root / "agentbox-pause.toml"
     text = CONFIG.read_text()
     assert "suspend_after_pause = 0" in text
-    config.write_text(text.replace("suspend_after_pause = 0", f"suspend_after_pause = {PAUSED_FOR}"))
+    config.write_text(text.replace("suspend_after_pause = 0",
+                                   f"suspend_after_pause = {PAUSED_FOR}"))
     holder = {"config": config, "data": root / "data"}
     holder["daemon"] = start_daemon(holder["data"], config=config)
     yield holder
