@@ -94,6 +94,17 @@ class WarmPool:
     def counts(self) -> dict[str, int]:
         return {t: len(ids) for t, ids in self._members.items()}
 
+    def _prune(self) -> None:
+        """Drop members whose VM was lost (a crashed VMM: FAILED) and destroy them."""
+        for ids in self._members.values():
+            for sid in list(ids):
+                ctl = self.service._controllers.get(sid)
+                if ctl is None or ctl.state not in (State.PAUSED, State.RUNNING):
+                    ids.remove(sid)
+                    if ctl is not None:
+                        self.service.spawn(self._discard(ctl.rec, "pool member lost"),
+                                           f"pool-discard-{sid}")
+
     # -- start / stop ----------------------------------------------------------------------
 
     async def adopt(self) -> None:
@@ -162,17 +173,12 @@ class WarmPool:
         return ctl.rec
 
     def _take(self, template: str) -> Any:
-        """The first ready member (PAUSED, no operation), removed from the pool; members
-        that are gone or broken are dropped (the refill replaces them)."""
+        """The first ready member (PAUSED, no operation), removed from the pool."""
+        self._prune()
         ids = self._members.get(template, [])
-        for sid in list(ids):
+        for sid in ids:
             ctl = self.service._controllers.get(sid)
-            if ctl is None or ctl.state not in (State.PAUSED, State.RUNNING):
-                ids.remove(sid)
-                if ctl is not None:
-                    self.service.spawn(self._discard(ctl.rec, "pool member lost"),
-                                       f"pool-discard-{sid}")
-            elif ctl.state is State.PAUSED and ctl.core.op is None:
+            if ctl is not None and ctl.state is State.PAUSED and ctl.core.op is None:
                 ids.remove(sid)
                 return ctl
         return None
@@ -192,6 +198,7 @@ class WarmPool:
             return
         while True:
             try:
+                self._prune()
                 template = refill_choice(self.counts(), self.size, self._foreground_busy(),
                                          self._host_room())
                 if template is not None:
