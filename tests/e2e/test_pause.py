@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import time
 from pathlib import Path
 
@@ -31,7 +32,7 @@ def pausing(images_built, tmp_path_factory):
     text = CONFIG.read_text()
     assert "suspend_after_pause = 0" in text
     config.write_text(text.replace("suspend_after_pause = 0",
-                                   f"suspend_after_pause = {PAUSED_FOR}"))
+                                   f"suspend_after_pause = {PAUSED_FOR}\nmax_paused = 1"))
     holder = {"config": config, "data": root / "data"}
     holder["daemon"] = start_daemon(holder["data"], config=config)
     yield holder
@@ -69,6 +70,16 @@ def cpu_over(pid: int, seconds: float = 1.0) -> float:
     before = cpu_seconds(pid)
     time.sleep(seconds)
     return cpu_seconds(pid) - before
+
+
+def suspend_cause(data: Path, sid: str) -> str:
+    db = sqlite3.connect(f"file:{data / 'registry.sqlite'}?mode=ro", uri=True)
+    try:
+        row = db.execute("SELECT cause FROM transitions WHERE sandbox_id = ? AND event = "
+                         "'suspend' ORDER BY seq DESC LIMIT 1", (sid,)).fetchone()
+    finally:
+        db.close()
+    return row[0] if row else ""
 
 
 def run_code(c: httpx.Client, sid: str, code: str) -> httpx.Response:
@@ -133,6 +144,22 @@ def test_daemon_killed_while_paused_readopts_the_paused_vmm(pausing):
         assert value(r) == "'kept'" and "X-AgentBox-Wake-Ms" in r.headers
         assert vmm_pids_for(sid) == [pid]
         c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_more_paused_than_max_paused_snapshots_the_longest_paused(pausing):
+    with pausing["daemon"].client() as c:
+        older = c.post("/v1/sandboxes", json={"idle_timeout": IDLE}).json()["id"]
+        wait_state(c, older, "paused", timeout=30)
+        newer = c.post("/v1/sandboxes", json={"idle_timeout": IDLE}).json()["id"]
+        wait_state(c, newer, "paused", timeout=30)
+        # max_paused = 1: the host takes the older one's RAM back, long before PAUSED_FOR.
+        info = wait_state(c, older, "suspended", timeout=PAUSED_FOR + 30)
+        assert info["suspend_count"] == 1 and vmm_pids_for(older) == []
+        assert suspend_cause(pausing["data"], older) == \
+            "more than 1 sandboxes paused on this host", "not its own pause timer"
+        assert c.get(f"/v1/sandboxes/{newer}").json()["state"] == "paused"
+        for sid in (older, newer):
+            c.delete(f"/v1/sandboxes/{sid}")
 
 
 def test_a_tenant_at_max_awake_gets_room_from_its_paused_sandbox(pausing):
