@@ -11,7 +11,8 @@ Unset (production), ``point`` is one dict lookup. Points: ``restore.loading``
 (device state streaming in), ``restore.before_cont`` (snapshot marked consumed,
 guest not yet running), ``restore.resumed`` (guest running, agent not yet
 answered), ``suspend.migrating`` (the snapshot being written),
-``suspend.written`` (snapshot complete, VMM not yet stopped).
+``suspend.written`` (snapshot complete, VMM not yet stopped), ``pause.before_stop`` (PAUSED
+recorded, vCPUs still running), ``unpause.before_cont`` (RUNNING recorded, vCPUs stopped).
 """
 
 from __future__ import annotations

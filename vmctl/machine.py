@@ -174,6 +174,7 @@ class Machine:
         """Stop the vCPUs: no guest CPU use, the VMM and the guest's RAM stay as they are."""
         if self.driver is None or not self.driver.alive():
             raise VMGoneError(f"VMM of {self.plan.vm_id} is gone")
+        faults.point("pause.before_stop")
         await self.driver.pause()
         self.paused = True
 
@@ -183,6 +184,7 @@ class Machine:
         started = time.monotonic()
         if self.driver is None or not self.driver.alive():
             raise VMGoneError(f"VMM of {self.plan.vm_id} is gone")
+        faults.point("unpause.before_cont")
         await self.driver.resume()
         self.paused = False
         await self.require_agent().init(self._init_request())

@@ -183,3 +183,44 @@ def test_a_tenant_at_max_awake_gets_room_from_its_paused_sandbox(pausing):
             assert value(run_code(c, first, "z")) == "7"
             c.delete(f"/v1/sandboxes/{first}")
         admin.delete(f"/v1/keys/{key['id']}")
+
+
+def restart(pausing, faults: str = "") -> None:
+    d = pausing["daemon"]
+    if d.proc.poll() is None:
+        stop_daemon(d, signal.SIGKILL)
+    port = int(d.url.rsplit(":", 1)[1])
+    pausing["daemon"] = start_daemon(pausing["data"], port=port, config=pausing["config"],
+                                     env={"AGENTBOX_FAULTS": faults})
+
+
+def test_daemon_killed_mid_pause_and_mid_wake_recovers_the_vm(pausing):
+    with pausing["daemon"].client() as c:
+        sid = c.post("/v1/sandboxes", json={"idle_timeout": 0}).json()["id"]
+        run_code(c, sid, "w = 'kept'")
+        [pid] = vmm_pids_for(sid)
+    # 1. Killed after PAUSED is recorded, before the vCPUs stop.
+    restart(pausing, "pause.before_stop=1")
+    with pausing["daemon"].client() as c:
+        c.patch(f"/v1/sandboxes/{sid}", json={"idle_timeout": IDLE})
+    assert pausing["daemon"].proc.wait(60) == -signal.SIGKILL, "did not die at the pause"
+    restart(pausing)
+    with pausing["daemon"].client() as c:
+        assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "paused"
+        assert vmm_pids_for(sid) == [pid] and cpu_over(pid) <= 3 * TICK_S  # stopped now
+    # 2. Killed after RUNNING is recorded for a wake, before the `cont`.
+    restart(pausing, "unpause.before_cont=1")
+    with pausing["daemon"].client() as c:
+        with pytest.raises(httpx.HTTPError):
+            c.post(f"/v1/sandboxes/{sid}/run_code", json={"code": "w"})
+    assert pausing["daemon"].proc.wait(60) == -signal.SIGKILL, "did not die at the wake"
+    restart(pausing)
+    with pausing["daemon"].client() as c:
+        c.patch(f"/v1/sandboxes/{sid}", json={"idle_timeout": 0})
+        assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
+        assert vmm_pids_for(sid) == [pid], "continued, not restarted"
+        assert value(run_code(c, sid, "w")) == "'kept'"
+        guest = float(c.post(f"/v1/sandboxes/{sid}/execute",
+                             json={"command": "date +%s.%N"}).json()["stdout"])
+        assert abs(guest - time.time()) < 2.0  # the recovery's cont fixed the clock too
+        c.delete(f"/v1/sandboxes/{sid}")
