@@ -145,8 +145,10 @@ class WarmPool:
     # -- claim ----------------------------------------------------------------------------
 
     async def claim(self, tenant: str, template: str, metadata: dict[str, Any],
-                    idle_timeout: float) -> SandboxRecord | None:
-        """A pooled sandbox made the tenant's, awake; None if the pool has none ready."""
+                    idle_timeout: float,
+                    extra: dict[str, Any] | None = None) -> SandboxRecord | None:
+        """A pooled sandbox made the tenant's, awake; None if the pool has none ready.
+        ``extra``: more registry fields of a new sandbox (e.g. its lifetimes)."""
         svc = self.service
         ctl = self._take(template)
         if ctl is None:
@@ -161,7 +163,7 @@ class WarmPool:
             raise
         now = time.time()
         svc.registry.update(ctl.id, tenant=tenant, metadata=metadata, idle_timeout=idle_timeout,
-                            created_at=now, last_activity=now)
+                            created_at=now, last_activity=now, **(extra or {}))
         ctl.rec = svc.registry.get(ctl.id) or ctl.rec
         self.claims += 1
         claimed.set(True)

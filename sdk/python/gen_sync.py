@@ -20,7 +20,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent / "agentbox"
 # async source -> generated sync module (in agentbox/)
 MODULES = {"async_commands.py": "commands.py", "async_sandbox.py": "sandbox.py",
-           "async_client.py": "client.py"}
+           "async_client.py": "client.py", "async_files.py": "files.py",
+           "async_sessions.py": "sessions.py"}
 
 _RULES: list[tuple[str, str]] = [
     # (await x.f()).attr -> x.f().attr; not a call's own parentheses: g(await x.f())
@@ -39,6 +40,9 @@ _RULES: list[tuple[str, str]] = [
     (r"\b__aexit__\b", "__exit__"),
     (r"\baclose\b", "close"),
     (r"\bStopAsyncIteration\b", "StopIteration"),
+    (r"\bAbstractAsyncContextManager\b", "AbstractContextManager"),
+    (r"\baread\(", "read("),
+    (r"\baiter_bytes\(", "iter_bytes("),
     (r"\bAsyncTransport\b", "SyncTransport"),
     (r"\bAsync(\w+)", r"\1"),  # AsyncCommandHandle -> CommandHandle, AsyncSandbox -> Sandbox
     (r"\basyncio\.sleep\(", "time.sleep("),

@@ -37,6 +37,8 @@ from __future__ import annotations
 import enum
 import json
 import re
+import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -500,7 +502,26 @@ def make_app(sim: Simulator, on_fatal: Callable[[], None]) -> web.Application:
         return web.json_response({"calls": [vars(c) for c in sim.calls],
                                   "state": sim.state.value})
 
+    async def console(request: web.Request) -> web.Response:
+        """Stand-in for a guest writing to its serial console: ``bytes`` of output, then
+        ``marker``, from a thread (like Firecracker's vCPU thread: a full pipe blocks it,
+        not the API)."""
+        body = await request.json()
+        threading.Thread(target=_write_console, args=(int(body["bytes"]), str(body["marker"])),
+                         daemon=True).start()
+        return web.Response(status=204)
+
     app = web.Application()
     app.router.add_get("/_sim/calls", calls)
+    app.router.add_put("/_sim/console", console)
     app.router.add_route("*", "/{tail:.*}", api)
     return app
+
+
+def _write_console(size: int, marker: str) -> None:
+    line = b"guest console flood " + b"x" * 43 + b"\n"  # 64 bytes
+    out = sys.stdout.buffer
+    for _ in range(size // len(line)):
+        out.write(line)
+    out.write(f"{marker}\n".encode())
+    out.flush()

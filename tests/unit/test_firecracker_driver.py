@@ -12,6 +12,7 @@ simulator runs no VM; that is tests/e2e/test_firecracker_real.py's job.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import sys
@@ -415,3 +416,65 @@ def test_usable_on_this_host_is_one_line() -> None:
 
 def test_module_pins_one_version() -> None:
     assert fcmod.FIRECRACKER_VERSION.count(".") == 2
+
+
+# -- the guest console --------------------------------------------------------------------------
+
+
+async def _flood(driver: FirecrackerDriver, size: int, marker: str) -> None:
+    assert driver.control_socket is not None
+    api = FirecrackerAPI(driver.control_socket)
+    try:
+        await api.put("/_sim/console", {"bytes": size, "marker": marker})
+    finally:
+        await api.aclose()
+
+
+async def _wait_for_marker(log: Path, marker: str, timeout: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not (log.exists() and marker in log.read_text(errors="replace")):
+        assert loop.time() < deadline, f"{marker!r} never reached {log}"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_flooding_console_is_capped_and_rotated(root: Path) -> None:
+    """The guest decides what its serial console prints: 4 MiB of it must not take more
+    than twice the cap on the host, and the newest output must be kept."""
+    spec = _spec(root)
+    cap = 128 * 1024
+    driver = FirecrackerDriver(console_log_bytes=cap)
+    await driver.boot(spec)
+    try:
+        await _flood(driver, 4 << 20, "END-OF-FLOOD")
+        log = spec.workdir / "console.log"
+        await _wait_for_marker(log, "END-OF-FLOOD")
+        assert log.stat().st_size <= cap
+        rotated = spec.workdir / "console.log.1"
+        assert rotated.exists() and rotated.stat().st_size <= cap
+        assert log.stat().st_mode & 0o777 == 0o600
+        assert driver.alive()
+    finally:
+        await driver.destroy()
+    assert not (spec.workdir / "console.fifo").exists()
+
+
+async def test_console_output_while_no_daemon_reads_is_drained_on_adopt(root: Path) -> None:
+    """Between a daemon crash and its restart nobody reads the FIFO: the VMM must neither
+    die (EPIPE) nor lose its API, and the next daemon picks the output up."""
+    spec = _spec(root)
+    first = FirecrackerDriver()
+    await first.boot(spec)
+    record = first.record()
+    await first._stop_console()  # the daemon is gone: nobody reads the console any more
+    await _flood(first, 3 << 20, "WRITTEN-WHILE-DOWN")  # more than the pipe holds
+    await asyncio.sleep(0.5)
+    second = FirecrackerDriver()
+    await second.adopt(record, spec)
+    try:
+        assert (await second._call().get("/"))["state"] == "Running"
+        await _wait_for_marker(spec.workdir / "console.log", "WRITTEN-WHILE-DOWN")
+    finally:
+        await second.destroy()
+        await first.destroy()
+    assert not pid_alive(record.pid)

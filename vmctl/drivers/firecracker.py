@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from vmctl.console import DEFAULT_CONSOLE_LOG_BYTES, ConsoleLog, console_fifo
 from vmctl.driver import Driver
 from vmctl.drivers.fc_api import (
     ROOT_DRIVE_PATH,
@@ -66,6 +67,7 @@ FIRECRACKER_BINARY = "firecracker"
 API_SOCKET = "firecracker.sock"  # in spec.workdir (direct mode)
 JAIL_API_SOCKET = "api.socket"  # in the jail root
 CONSOLE_LOG = "console.log"  # the VMM's stdout+stderr: guest serial console + VMM messages
+CONSOLE_FIFO = "console.fifo"  # what the VMM writes them to (vmctl.console: capped, rotated)
 STATE_FILE, MEMORY_FILE, DISK_FILE = "vmstate", "memory", "disk"
 START_TIMEOUT_S, LOAD_TIMEOUT_S, SNAPSHOT_TIMEOUT_S = 10.0, 60.0, 600.0
 _KVM_GET_API_VERSION = 0xAE00
@@ -229,11 +231,14 @@ class FirecrackerDriver(Driver):
     name = "firecracker"
 
     def __init__(self, binary: str = FIRECRACKER_BINARY, jailer: JailerConfig | None = None,
-                 start_timeout: float = START_TIMEOUT_S) -> None:
+                 start_timeout: float = START_TIMEOUT_S,
+                 console_log_bytes: int = DEFAULT_CONSOLE_LOG_BYTES) -> None:
         super().__init__()
         self.binary = binary
         self.jailer = jailer
         self.start_timeout = start_timeout
+        self.console_log_bytes = console_log_bytes
+        self._console: ConsoleLog | None = None
         self.version: str | None = None
         self._api: FirecrackerAPI | None = None
         self._jail: Path | None = None  # jail root on the host (jailer mode)
@@ -289,6 +294,7 @@ class FirecrackerDriver(Driver):
             await self._api.aclose()  # the caller may drop us without destroy()
             self._api = None
             raise
+        self._start_console()  # drains what the VMM wrote while no daemon read it
         try:
             self.version = parse_version(str(info.get("vmm_version", "")))
         except ValueError:
@@ -333,6 +339,12 @@ class FirecrackerDriver(Driver):
                              disk=dest / DISK_FILE, accel=Accel.KVM, driver=self.name,
                              extra=extra)
 
+    async def _destroy(self) -> None:
+        try:
+            await super()._destroy()
+        finally:
+            await self._stop_console(drain_timeout=1.0)  # the VMM is gone: EOF comes at once
+
     async def _quit(self) -> None:
         try:
             if self._proc is not None:
@@ -351,6 +363,8 @@ class FirecrackerDriver(Driver):
         link = self.spec.workdir / ROOT_DRIVE_PATH if self.spec is not None else None
         if link is not None and link.is_symlink():
             link.unlink()
+        if self.spec is not None:
+            (self.spec.workdir / CONSOLE_FIFO).unlink(missing_ok=True)  # open fds keep working
         if self._jail is not None:
             shutil.rmtree(self._jail.parent, ignore_errors=True)  # <base>/<exec>/<id>
             self._jail = None
@@ -428,19 +442,39 @@ class FirecrackerDriver(Driver):
         socket_path.unlink(missing_ok=True)  # Firecracker refuses to bind over a stale one
         self.control_socket = socket_path
         log_path = self.log_path = spec.workdir / CONSOLE_LOG
-        with open(log_path, "ab") as log_file:
+        # stdout/stderr go to a FIFO the daemon copies into the capped console.log: the
+        # guest decides what its serial console prints, so it must not reach a file directly.
+        out = console_fifo(spec.workdir / CONSOLE_FIFO)
+        try:
             # A new session: the VMM must outlive the daemon (it is re-adopted on restart).
             self._proc = await asyncio.create_subprocess_exec(
                 *argv, cwd=spec.workdir, stdin=asyncio.subprocess.DEVNULL,
-                stdout=log_file, stderr=log_file, start_new_session=True)
+                stdout=out, stderr=out, start_new_session=True)
+        finally:
+            os.close(out)
         self.pid = self._proc.pid
+        self._start_console()
         self._api = FirecrackerAPI(socket_path)
         proc = self._proc
         try:
             await self._api.wait_ready(self.start_timeout, alive=lambda: proc.returncode is None)
         except VmctlError as exc:
+            if proc.returncode is not None:
+                await self._stop_console(drain_timeout=1.0)
             raise VMStartError(f"firecracker did not come up: {exc}; "
                                f"log: {_tail(log_path)}") from exc
+
+    def _start_console(self) -> None:
+        assert self.spec is not None
+        self._console = ConsoleLog.from_fifo(self.spec.workdir / CONSOLE_FIFO,
+                                             self.spec.workdir / CONSOLE_LOG,
+                                             self.console_log_bytes)
+        self._console.start()
+
+    async def _stop_console(self, drain_timeout: float = 0.0) -> None:
+        console, self._console = self._console, None
+        if console is not None:
+            await console.aclose(drain_timeout)
 
     async def _wait_exit(self, timeout: float) -> int | None:
         if self._proc is None:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from vmctl import cgroup, confine, faults
-from vmctl.console import ConsoleLog
+from vmctl.console import DEFAULT_CONSOLE_LOG_BYTES, ConsoleLog
 from vmctl.driver import Driver
 from vmctl.errors import SnapshotError, VMStartError, VMTimeoutError, VmctlError
 from vmctl.qmp import QMPClient
@@ -39,7 +39,6 @@ STATE_FILE = "vmstate"
 MIGRATE_SOCKET = "migrate.sock"
 CONSOLE_SOCKET = "console.sock"
 CONSOLE_LOG = "console.log"
-DEFAULT_CONSOLE_LOG_BYTES = 1 << 20
 _MIGRATION_POLL_S = 0.002
 
 

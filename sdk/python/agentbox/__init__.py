@@ -33,7 +33,8 @@ from agentbox.exceptions import (
     TimeoutError as TimeoutError,  # not in __all__: a star import must not shadow the builtin
     UnavailableError,
 )
-from agentbox.files import AsyncByteStream, ByteStream
+from agentbox.async_files import AsyncByteStream
+from agentbox.files import ByteStream
 from agentbox.models import (
     CodeContext,
     CommandResult,

@@ -1,4 +1,7 @@
-"""``sandbox.files``: read, write, list and remove files in a sandbox (sync and async).
+# Generated from agentbox/async_files.py by sdk/python/gen_sync.py: do not edit.
+"""``sandbox.files``: read, write, list and remove files in a sandbox.
+
+(``agentbox.files`` is generated from ``async_files.py`` by sdk/python/gen_sync.py.)
 
 Paths are absolute in the sandbox; a relative path is taken from ``/root``.
 Reads and writes stream: neither side holds a whole large file in memory unless
@@ -9,15 +12,15 @@ listing as JSON, which is how ``list`` and the directory checks work.
 from __future__ import annotations
 
 import shlex
-from collections.abc import AsyncIterator, Iterator
-from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 
 from agentbox import _calls, _upload
-from agentbox._transport import AsyncTransport, SyncTransport, mapped_errors
+from agentbox._transport import SyncTransport, mapped_errors
 from agentbox.exceptions import InvalidArgumentError, NotFoundError, SandboxNotFoundError
 from agentbox.models import FileInfo
 
@@ -46,7 +49,8 @@ class ByteStream:
     """An open download. Iterate for chunks, or ``read()`` it all; ``close()`` (or use
     ``with``) if you stop early. ``size`` is the file's length when the server said it."""
 
-    def __init__(self, cm: AbstractContextManager[httpx.Response], resp: httpx.Response) -> None:
+    def __init__(self, cm: AbstractContextManager[httpx.Response],
+                 resp: httpx.Response) -> None:
         self._cm, self._resp, self._closed = cm, resp, False
         length = resp.headers.get("content-length")
         self.size = int(length) if length is not None else None
@@ -59,7 +63,7 @@ class ByteStream:
             self.close()
 
     def read(self) -> bytes:
-        return b"".join(self)
+        return b"".join([chunk for chunk in self])
 
     def close(self) -> None:
         if not self._closed:
@@ -73,38 +77,6 @@ class ByteStream:
         self.close()
 
 
-class AsyncByteStream:
-    """The async :class:`ByteStream`: ``async for chunk in stream``, ``await read()``."""
-
-    def __init__(self, cm: AbstractAsyncContextManager[httpx.Response],
-                 resp: httpx.Response) -> None:
-        self._cm, self._resp, self._closed = cm, resp, False
-        length = resp.headers.get("content-length")
-        self.size = int(length) if length is not None else None
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        try:
-            with mapped_errors("download"):
-                async for chunk in self._resp.aiter_bytes(_upload.CHUNK):
-                    yield chunk
-        finally:
-            await self.aclose()
-
-    async def read(self) -> bytes:
-        return b"".join([chunk async for chunk in self])
-
-    async def aclose(self) -> None:
-        if not self._closed:
-            self._closed = True
-            await self._cm.__aexit__(None, None, None)
-
-    async def __aenter__(self) -> AsyncByteStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-
 class Files:
     def __init__(self, sandbox_id: str, transport: SyncTransport) -> None:
         self._id, self._t = sandbox_id, transport
@@ -116,7 +88,8 @@ class Files:
         body, size = _upload.prepare(data)
         size = _upload.sized(body, size)
         body = _upload.with_progress(body, size, on_progress)
-        return FileInfo.from_dict(self._t.json(_calls.write_file(self._id, path, body, size)))
+        return FileInfo.from_dict(self._t.json(
+            _calls.write_file(self._id, path, body, size)))
 
     def read(self, path: str, format: Format = "text") -> Any:
         """The file's content as ``str`` (UTF-8), ``bytes``, or an open :class:`ByteStream`."""
@@ -166,78 +139,10 @@ class Files:
                  on_progress: _upload.Progress | None = None) -> Path:
         """Stream a sandbox file into the local file ``dest``; returns ``dest``."""
         dest = Path(dest)
-        with self._open(path) as stream, dest.open("wb") as out:
-            done = 0
-            for chunk in stream:
-                out.write(chunk)
-                done += len(chunk)
-                if on_progress:
-                    on_progress(done, stream.size)
-        return dest
-
-
-class AsyncFiles:
-    """The async :class:`Files`."""
-
-    def __init__(self, sandbox_id: str, transport: AsyncTransport) -> None:
-        self._id, self._t = sandbox_id, transport
-
-    async def write(self, path: str, data: Any, *,
-                    on_progress: _upload.Progress | None = None) -> FileInfo:
-        body, size = _upload.prepare(data)
-        size = _upload.sized(body, size)
-        if not isinstance(body, bytes) or on_progress is not None:
-            body = _upload.as_async_with_progress(body, size, on_progress)
-        data = await self._t.json(_calls.write_file(self._id, path, body, size))
-        return FileInfo.from_dict(data)
-
-    async def read(self, path: str, format: Format = "text") -> Any:
-        stream = await self._open(path)
-        if format == "stream":
-            return stream
-        data = await stream.read()
-        return data if format == "bytes" else data.decode()
-
-    async def _open(self, path: str) -> AsyncByteStream:
-        cm = self._t.stream(_calls.read_file(self._id, path))
-        resp = await cm.__aenter__()
-        if _is_listing(resp):
-            await cm.__aexit__(None, None, None)
-            raise InvalidArgumentError(f"{path} is a directory", status=400,
-                                       code="is_a_directory")
-        return AsyncByteStream(cm, resp)
-
-    async def list(self, path: str = _calls.HOME) -> list[FileInfo]:
-        async with self._t.stream(_calls.read_file(self._id, path)) as resp:
-            if not _is_listing(resp):
-                raise InvalidArgumentError(f"{path} is not a directory", status=400,
-                                           code="not_a_directory")
-            await resp.aread()
-            return _entries(resp.json())
-
-    async def exists(self, path: str) -> bool:
-        try:
-            await self._t.send(_calls.stat_file(self._id, path))
-            return True
-        except NotFoundError as exc:
-            if _file_missing(exc):
-                return False
-            raise
-
-    async def remove(self, path: str) -> None:
-        await self._t.send(_calls.delete_file(self._id, path))
-
-    async def make_dir(self, path: str) -> bool:
-        call = _calls.execute(self._id, None, _mkdir(path), None, 30, None, None)
-        return _made(await self._t.json(call), path)
-
-    async def download(self, path: str, dest: str | Path, *,
-                       on_progress: _upload.Progress | None = None) -> Path:
-        dest = Path(dest)
-        async with await self._open(path) as stream:
+        with self._open(path) as stream:
             with dest.open("wb") as out:
                 done = 0
-                async for chunk in stream:
+                for chunk in stream:
                     out.write(chunk)
                     done += len(chunk)
                     if on_progress:

@@ -1,4 +1,7 @@
-"""``box.sessions``: named, long-lived sandboxes (``/v1/sessions``), sync and async.
+# Generated from agentbox/async_sessions.py by sdk/python/gen_sync.py: do not edit.
+"""``box.sessions``: named, long-lived sandboxes (``/v1/sessions``).
+
+(``agentbox.sessions`` is generated from ``async_sessions.py`` by sdk/python/gen_sync.py.)
 
 A session's sandbox suspends when idle and wakes on the next request to its URL,
 with its processes' memory intact; it lives until the session is deleted.
@@ -17,7 +20,7 @@ from agentbox.exceptions import SessionNotFoundError
 from agentbox.models import ServerInfo, Session
 
 if TYPE_CHECKING:
-    from agentbox.client import AgentBox, AsyncAgentBox
+    from agentbox.client import AgentBox
 
 
 def _session_list(data: Any) -> builtins.list[dict[str, Any]]:
@@ -32,7 +35,7 @@ def _session(data: Any, client: Any, info: ServerInfo) -> Session:
 
 
 class Sessions:
-    """``box.sessions`` of a sync :class:`~agentbox.AgentBox`."""
+    """``box.sessions``: this client's named sessions."""
 
     def __init__(self, client: AgentBox) -> None:
         self._client = client
@@ -61,36 +64,6 @@ class Sessions:
         """Destroy the session's sandbox and free the name; False if there was none."""
         try:
             self._client._transport.send(_calls.delete_session(name))
-        except SessionNotFoundError:
-            return False
-        return True
-
-
-class AsyncSessions:
-    """``box.sessions`` of an :class:`~agentbox.AsyncAgentBox` (same methods, awaited)."""
-
-    def __init__(self, client: AsyncAgentBox) -> None:
-        self._client = client
-
-    async def _parse(self, data: Any) -> Session:
-        return _session(data, self._client, await self._client.server_info())
-
-    async def put(self, name: str, template: str | None = None, *, port: int | None = None,
-                  idle_timeout: float | None = None, start: str | None = None,
-                  metadata: dict[str, Any] | None = None) -> Session:
-        call = _calls.put_session(name, template, port, idle_timeout, start, metadata)
-        return await self._parse(await self._client._transport.json(call))
-
-    async def get(self, name: str) -> Session:
-        return await self._parse(await self._client._transport.json(_calls.get_session(name)))
-
-    async def list(self) -> builtins.list[Session]:
-        data = await self._client._transport.json(_calls.list_sessions())
-        return [await self._parse(s) for s in _session_list(data)]
-
-    async def delete(self, name: str) -> bool:
-        try:
-            await self._client._transport.send(_calls.delete_session(name))
         except SessionNotFoundError:
             return False
         return True
