@@ -30,11 +30,26 @@ def report(name: str, values: list[float], unit: str = "ms") -> float:
 
 
 class private_daemon:
-    """A daemon with its own data dir (shared, cached images), stopped on exit."""
+    """A daemon with its own data dir (shared, cached images), stopped on exit.
+    ``config_edit``: (old, new) pairs replaced in the e2e config's text (e.g. to turn
+    pausing on)."""
+
+    def __init__(self, *config_edit: tuple[str, str]) -> None:
+        self.config_edit = config_edit
 
     def __enter__(self):
+        from tests.e2e.conftest import CONFIG
+
         self._tmp = tempfile.TemporaryDirectory(prefix="agentbox-bench-")
-        self.daemon = start_daemon(Path(self._tmp.name) / "data")
+        config = CONFIG
+        if self.config_edit:
+            text = CONFIG.read_text()
+            for old, new in self.config_edit:
+                assert old in text, old
+                text = text.replace(old, new)
+            config = Path(self._tmp.name) / "agentbox.toml"
+            config.write_text(text)
+        self.daemon = start_daemon(Path(self._tmp.name) / "data", config=config)
         return self.daemon
 
     def __exit__(self, *exc):

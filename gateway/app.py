@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import api, api_interp, api_keys, at_rest, metrics, openapi, preview, terminal
+from gateway import api, api_interp, api_keys, at_rest, metrics, openapi, pool, preview, terminal
 from gateway import api_controls
 from gateway.config import Config
 from gateway.middleware import (
@@ -116,6 +116,7 @@ def build_app(config: Config) -> web.Application:
 
 
 WAKE_HEADER = "X-AgentBox-Wake-Ms"
+POOL_HEADER = "X-AgentBox-Pool"
 
 
 async def _wake_header(request: web.Request, response: web.StreamResponse) -> None:
@@ -123,6 +124,8 @@ async def _wake_header(request: web.Request, response: web.StreamResponse) -> No
     wake = current_wake.get()
     if wake is not None and wake.woke:
         response.headers[WAKE_HEADER] = f"{wake.wake_ms:.1f}"
+    if pool.claimed.get():  # a create answered from the warm pool
+        response.headers[POOL_HEADER] = "claimed"
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:

@@ -84,6 +84,13 @@ class SandboxConfig:
     default_template: str = "python"
     idle_timeout: float = 60.0
     max_sandboxes: int = 256
+    # Pause before snapshot (gateway.pause): seconds an idle sandbox stays PAUSED (VMM alive,
+    # RAM held) before its snapshot; 0 = snapshot at once. Paused ones are snapshotted
+    # earlier when MemAvailable drops below pause_min_available_mib or more than max_paused
+    # are paused (0 = no such limit).
+    suspend_after_pause: float = 300.0
+    max_paused: int = 32
+    pause_min_available_mib: int = 2048
     # Lifetimes (gateway.lifetimes): defaults for sandboxes created without them; 0 = never.
     ttl: float = 0.0  # destroy this many seconds after create
     auto_delete_after: float = 0.0  # destroy after this many seconds suspended (or failed)
@@ -91,6 +98,10 @@ class SandboxConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "templates", tuple(self.templates))
+        if self.suspend_after_pause < 0 or self.max_paused < 0 \
+                or self.pause_min_available_mib < 0:
+            raise ValueError("suspend_after_pause, max_paused and pause_min_available_mib "
+                             "must be >= 0")
         if min(self.ttl, self.auto_delete_after, self.max_ttl) < 0:
             raise ValueError("ttl, auto_delete_after and max_ttl must be >= 0 (0 = never)")
         if self.max_ttl and self.ttl > self.max_ttl:
@@ -104,11 +115,23 @@ class SandboxConfig:
 
 
 @dataclass(frozen=True)
+class PoolConfig:
+    """The warm pool (gateway.pool): sandboxes per template kept restored and paused."""
+
+    size: int = -1  # -1: sized to the host (gateway.pool.auto_size); 0: no pool
+
+    def __post_init__(self) -> None:
+        if self.size < -1 or self.size > 64:
+            raise ValueError("size must be -1 (auto), 0 (off) or up to 64")
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     vm: VMConfig = field(default_factory=VMConfig)
     tenancy: TenancyConfig = field(default_factory=TenancyConfig)  # gateway.quotas
+    pool: PoolConfig = field(default_factory=PoolConfig)  # gateway.pool
 
 
 def _section(cls: type, data: dict[str, Any], name: str) -> Any:
@@ -131,7 +154,7 @@ def load(path: Path | None = None, **overrides: Any) -> Config:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
     unknown = set(raw) - {"server", "sandbox", "vm", "network", "firecracker", "confine",
-                          "tenancy"}
+                          "tenancy", "pool"}
     if unknown:
         raise ConfigError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}")
     server_raw = dict(raw.get("server", {}))
@@ -145,4 +168,5 @@ def load(path: Path | None = None, **overrides: Any) -> Config:
                              "confine": confine}, "vm")
     return Config(server=_section(ServerConfig, server_raw, "server"),
                   sandbox=_section(SandboxConfig, raw.get("sandbox", {}), "sandbox"), vm=vm,
-                  tenancy=_section(TenancyConfig, raw.get("tenancy", {}), "tenancy"))
+                  tenancy=_section(TenancyConfig, raw.get("tenancy", {}), "tenancy"),
+                  pool=_section(PoolConfig, raw.get("pool", {}), "pool"))

@@ -54,6 +54,9 @@ class MachineLike(Protocol):
     async def wake(self) -> float: ...
     async def cold_boot(self) -> float: ...
     async def abort_suspend(self) -> None: ...
+    async def pause(self) -> None: ...
+    async def unpause(self) -> float: ...
+    async def stop_vmm(self) -> None: ...
     async def destroy(self) -> None: ...
     def vmm_record(self) -> Any: ...
 
@@ -238,6 +241,14 @@ class SandboxController:
         assert self._op is not None
         return self._op
 
+    def start_pause(self, cause: str) -> asyncio.Task:
+        """Pause now (RUNNING, unused). Returns the operation's task."""
+        for cmd in self._run(self.core.handle(c.PauseRequested(cause))):
+            if isinstance(cmd, c.Reject):
+                raise cmd.error
+        assert self._op is not None
+        return self._op
+
     def close(self) -> None:
         """Stop watching the VMM (the daemon is stopping; the VMM keeps running)."""
         self._stop_watch()
@@ -270,7 +281,8 @@ class SandboxController:
             await asyncio.shield(op)
 
     def _start(self, op: c.Op) -> None:
-        coro = {c.Op.CREATE: self._create_op, c.Op.SUSPEND: self._suspend_op}.get(op)
+        coro = {c.Op.CREATE: self._create_op, c.Op.SUSPEND: self._suspend_op,
+                c.Op.PAUSE: self._pause_op, c.Op.UNPAUSE: self._unpause_op}.get(op)
         self._op = self._spawn(coro() if coro else self._restore_op(op),
                                f"{op.value}-{self.id}")
 
@@ -334,6 +346,38 @@ class SandboxController:
             self.metrics.events["suspend"] += 1
             self.metrics.suspend_seconds.observe(ms / 1000)
             self._run(self.core.handle(c.SnapshotWritten(ms)))
+        finally:
+            self._end_op()
+
+    async def _pause_op(self) -> None:
+        try:
+            try:
+                await self.machine.pause()
+            except Exception as exc:
+                log.warning("pause of %s failed: %s", self.id, exc)
+                alive = await self._resume_after_failed_suspend()
+                self._run(self.core.handle(c.PauseFailed(str(exc) or repr(exc), vm_alive=alive)))
+                return
+            self.metrics.events["pause"] += 1
+            self._run(self.core.handle(c.PauseFinished(time.monotonic())))
+        finally:
+            self._end_op()
+
+    async def _unpause_op(self) -> None:
+        try:
+            try:
+                ms = await self.machine.unpause()
+            except Exception as exc:
+                log.warning("wake of %s from pause failed: %s", self.id, exc)
+                self.metrics.events["unpause_failed"] += 1
+                self._stop_watch()  # the VMM is killed on purpose: not a crash
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.machine.stop_vmm())
+                self._run(self.core.handle(c.UnpauseFailed(str(exc) or repr(exc))))
+                return
+            self.metrics.events["unpause"] += 1
+            self.metrics.unpause_seconds.observe(ms / 1000)
+            self._run(self.core.handle(c.UnpauseFinished(ms)))
         finally:
             self._end_op()
 

@@ -60,6 +60,8 @@ class Op(enum.Enum):
     RESTORE = "restore"
     COLD_BOOT = "cold_boot"
     SUSPEND = "suspend"
+    PAUSE = "pause"  # stop the vCPUs (QMP ``stop``); the VMM and its RAM stay
+    UNPAUSE = "unpause"  # ``cont`` plus the clock fix
 
 
 class Snapshot(enum.Enum):
@@ -73,7 +75,8 @@ class Step(enum.Enum):
     """The one piece of I/O a recovery row asks for."""
 
     NOTHING = "nothing"
-    ADOPT = "adopt"  # reconnect to the VMM, check the agent answers
+    ADOPT = "adopt"  # reconnect to the VMM, let it run if it is stopped, check the agent
+    ADOPT_PAUSED = "adopt_paused"  # reconnect to a paused VMM and make sure it stays stopped
     RESUME = "resume"  # adopt a VMM paused by an unfinished suspend and let it run again
     FINISH_RESTORE = "finish_restore"  # adopt a VMM that was restoring and finish the restore
     KILL = "kill"  # the VMM must not run (its sandbox is asleep or failed)
@@ -90,11 +93,15 @@ class Policy:
     drain_timeout: float = 30.0  # a suspend waits this long for in-flight work, then gives up
     max_restore_attempts: int = 2  # transient restore failures in a row before a cold boot
     cold_boot_failed_at_once: bool = False  # True: a FAILED sandbox cold-boots without a request
+    # Seconds an idle sandbox stays PAUSED (VMM alive, vCPUs stopped) before its snapshot;
+    # 0: an idle sandbox is snapshotted at once, never paused.
+    suspend_after_pause: float = 0.0
 
     def __post_init__(self) -> None:
         if min(self.max_waiters_per_sandbox, self.max_waiters_global,
                self.max_concurrent_requests, self.max_restore_attempts) < 1 \
-                or self.wake_deadline <= 0 or self.drain_timeout < 0:
+                or self.wake_deadline <= 0 or self.drain_timeout < 0 \
+                or self.suspend_after_pause < 0:
             raise ValueError("wake limits must be positive")
 
 
@@ -151,6 +158,34 @@ class SnapshotWritten:
 class SuspendFailed:
     cause: str
     vm_alive: bool  # the paused VM was resumed
+
+
+@dataclass(frozen=True)
+class PauseRequested:
+    """Pause now, idle or not (e.g. a warm-pool member waiting to be claimed)."""
+
+    cause: str
+
+
+@dataclass(frozen=True)
+class PauseFinished:
+    now: float
+
+
+@dataclass(frozen=True)
+class PauseFailed:
+    cause: str
+    vm_alive: bool  # the VM still runs (the stop did not happen)
+
+
+@dataclass(frozen=True)
+class UnpauseFinished:
+    ms: float
+
+
+@dataclass(frozen=True)
+class UnpauseFailed:
+    cause: str
 
 
 @dataclass(frozen=True)
@@ -301,6 +336,11 @@ def _row(state: State, alive: bool | None, snap: Snapshot | None, plan: Plan) ->
 
 
 _row(S.RUNNING, True, None, Plan(Step.ADOPT, None, E.CRASHED, "VMM could not be re-adopted"))
+# A paused VMM is kept paused (the daemon may have died between recording PAUSE and the stop).
+_row(S.PAUSED, True, None, Plan(Step.ADOPT_PAUSED, None, E.CRASHED,
+                                "paused VMM could not be re-adopted"))
+_row(S.PAUSED, False, None, Plan(Step.NOTHING, E.CRASHED, None,
+                                 "VMM of a paused sandbox gone after a restart"))
 _row(S.RUNNING, False, None, Plan(Step.NOTHING, E.CRASHED, None, "VMM gone after a restart"))
 _row(S.CREATING, None, None, Plan(Step.DISCARD, E.DESTROY, None, "daemon stopped mid-create"))
 _row(S.SUSPENDING, True, U, Plan(Step.KILL, E.SUSPENDED, None, "suspend finished (recovered)"))
@@ -363,6 +403,8 @@ class SandboxCore:
         self.restore_count = restore_count
         self.failed_restores = 0  # transient failures in a row (bounded: then cold boot)
         self.idle_since = now
+        self.paused_since = now  # when the current pause began (or recovery found it)
+        self._suspend_from_pause = False  # the running suspend found the VM paused
         self._drain_deadline: float | None = None
         self._plan: Plan | None = None
 
@@ -404,6 +446,8 @@ class SandboxCore:
         cmds: list[Command] = []
         if st in (S.SUSPENDED, S.FAILED) and self.op is None:
             cmds += self._begin_restore("woken by a request")
+        elif st is S.PAUSED and self.op is None:
+            cmds += self._begin_unpause("woken by a request")
         elif st is S.SUSPENDING:
             self.cancel_suspend = True
         return [*cmds, Hold(remaining)]
@@ -427,6 +471,9 @@ class SandboxCore:
             and self.idle_for(now) >= timeout
 
     def _on_IdleTick(self, ev: IdleTick) -> list[Command]:
+        if self.state is S.PAUSED and self.op is None and not self.entering and ev.timeout > 0 \
+                and ev.now - self.paused_since >= self.policy.suspend_after_pause:
+            return self._begin_suspend(f"paused for {self.policy.suspend_after_pause:g}s")
         return [ProbeGuest()] if self._idle(ev.now, ev.timeout) else []
 
     def _on_GuestProbed(self, ev: GuestProbed) -> list[Command]:
@@ -434,15 +481,18 @@ class SandboxCore:
             self.idle_since = ev.now  # busy inside the guest: look again after another period
             return [Touch()]
         if self._idle(ev.now, ev.timeout):
+            if self.policy.suspend_after_pause > 0:
+                return self._begin_pause(f"idle for {ev.timeout:g}s")
             return self._begin_suspend(f"idle for {ev.timeout:g}s")
         return []
 
     def _on_SuspendRequested(self, ev: SuspendRequested) -> list[Command]:
-        if self.state is not S.RUNNING or self.op is not None:
+        if self.state not in (S.RUNNING, S.PAUSED) or self.op is not None:
             return [Reject(Conflict(f"sandbox is {self.state.value}", code="not_running"))]
         return self._begin_suspend(ev.cause)
 
     def _begin_suspend(self, cause: str) -> list[Command]:
+        self._suspend_from_pause = self.state is S.PAUSED
         self.cancel_suspend = False
         self.op = Op.SUSPEND
         self._drain_deadline = None
@@ -457,8 +507,13 @@ class SandboxCore:
             return [WaitDrain()]
         if self.active or self.cancel_suspend or self.entering:
             self.op = None
-            return self._record(E.SUSPEND_ABORTED,
+            cmds = self._record(E.SUSPEND_ABORTED,
                                 "requests still in flight, or one arrived before the snapshot")
+            if self._suspend_from_pause:  # the VM is still stopped: continue it first
+                self.op = Op.UNPAUSE
+                cmds.append(StartOp(Op.UNPAUSE))
+            return cmds
+        self._suspend_from_pause = False  # the snapshot step continues a paused VM itself
         return [WriteSnapshot()]
 
     def _on_SnapshotWritten(self, ev: SnapshotWritten) -> list[Command]:
@@ -477,6 +532,50 @@ class SandboxCore:
             return self._record(E.SUSPEND_ABORTED, f"suspend failed, VM resumed: {ev.cause}")
         self.vmm_pid = None
         return self._fail(E.SUSPEND_FAILED, f"suspend failed and the VM is lost: {ev.cause}")
+
+    # -- pause before snapshot ------------------------------------------------------------
+    #
+    # Both moves are recorded before the VMM is stopped or continued: a daemon killed in
+    # between finds PAUSED (recovery stops the VMM again, idempotently) or RUNNING (recovery
+    # continues it, idempotently, before checking its agent).
+
+    def _begin_pause(self, cause: str) -> list[Command]:
+        self.op = Op.PAUSE
+        return [*self._record(E.PAUSE, cause), StartOp(Op.PAUSE)]
+
+    def _on_PauseRequested(self, ev: PauseRequested) -> list[Command]:
+        if self.state is not S.RUNNING or self.op is not None or self.active or self.entering:
+            return [Reject(Conflict(f"sandbox is {self.state.value}", code="not_running"))]
+        return self._begin_pause(ev.cause)
+
+    def _on_PauseFinished(self, ev: PauseFinished) -> list[Command]:
+        self.op = None
+        self.paused_since = ev.now
+        if self.entering:  # a request arrived while the VM was being stopped
+            return self._begin_unpause("a request arrived during the pause")
+        return []
+
+    def _on_PauseFailed(self, ev: PauseFailed) -> list[Command]:
+        self.op = None
+        if ev.vm_alive:
+            return self._record(E.UNPAUSE, f"pause failed, VM kept running: {ev.cause}")
+        self.vmm_pid = None
+        return self._fail(E.CRASHED, f"pause failed and the VM is lost: {ev.cause}")
+
+    def _begin_unpause(self, cause: str) -> list[Command]:
+        self.op = Op.UNPAUSE
+        return [*self._record(E.UNPAUSE, cause), StartOp(Op.UNPAUSE)]
+
+    def _on_UnpauseFinished(self, ev: UnpauseFinished) -> list[Command]:
+        self.op = None
+        return [Touch()]
+
+    def _on_UnpauseFailed(self, ev: UnpauseFailed) -> list[Command]:
+        """The VMM would not continue (or its agent not answer): lost, like a crash. The
+        held requests then see FAILED and cold-boot the disk."""
+        self.op = None
+        self.vmm_pid = None
+        return self._fail(E.CRASHED, f"wake from pause failed: {ev.cause}")
 
     # -- create / restore --------------------------------------------------------------------
 
@@ -533,7 +632,7 @@ class SandboxCore:
         self.vmm_pid = None
         lost = VMLost("the sandbox's VM stopped unexpectedly; the next request cold-boots it "
                       "from its disk", headers={"Retry-After": "1"})
-        if self.state is S.RUNNING and self.op is None:
+        if self.state in (S.RUNNING, S.PAUSED) and self.op is None:
             return [AbortRequests(lost), *self._fail(E.CRASHED, "VMM exited unexpectedly")]
         if self.state is S.SUSPENDING:  # the suspend's own failure path records the outcome
             return [AbortRequests(lost)]

@@ -17,6 +17,10 @@ mid-operation and is rolled forward or back by reconciliation.
         |                                      |  (restore_failed -> SUSPENDED: not cached)
         +--create_failed--> FAILED --wake--> RESTORING (retry from the last good snapshot)
 
+    RUNNING --pause--> PAUSED --unpause--> RUNNING      (vCPUs stopped, VMM alive)
+                       PAUSED --suspend--> SUSPENDING   (paused long enough, or memory needed)
+                       PAUSED --crashed--> FAILED
+
     any state but DESTROYED --destroy--> DESTROYED
 
 This module does no I/O: it is plain data and one function, tested in
@@ -31,6 +35,7 @@ import enum
 class State(enum.Enum):
     CREATING = "creating"
     RUNNING = "running"
+    PAUSED = "paused"  # vCPUs stopped, VMM alive and holding its RAM
     SUSPENDING = "suspending"
     SUSPENDED = "suspended"
     RESTORING = "restoring"
@@ -50,6 +55,8 @@ class Event(enum.Enum):
     RESTORE_FAILED = "restore_failed"  # snapshot still good: retry on the next request
     SNAPSHOT_LOST = "snapshot_lost"  # snapshot unusable: nothing left to restore
     CRASHED = "crashed"
+    PAUSE = "pause"
+    UNPAUSE = "unpause"
     DESTROY = "destroy"
 
 
@@ -69,6 +76,11 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (S.RESTORING, E.SNAPSHOT_LOST): S.FAILED,
     (S.SUSPENDED, E.SNAPSHOT_LOST): S.FAILED,  # found missing or used at start-up
     (S.FAILED, E.WAKE): S.RESTORING,
+    # Pause before snapshot: recorded before the VMM is stopped or continued.
+    (S.RUNNING, E.PAUSE): S.PAUSED,
+    (S.PAUSED, E.UNPAUSE): S.RUNNING,
+    (S.PAUSED, E.SUSPEND): S.SUSPENDING,
+    (S.PAUSED, E.CRASHED): S.FAILED,
 }
 for _state in State:
     if _state is not S.DESTROYED:

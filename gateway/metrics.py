@@ -48,17 +48,24 @@ class Histogram:
 class Metrics:
     restore_seconds: Histogram = field(default_factory=Histogram)
     suspend_seconds: Histogram = field(default_factory=Histogram)
+    unpause_seconds: Histogram = field(default_factory=Histogram)  # wake from PAUSED
     events: Counter[str] = field(default_factory=Counter)  # restores, restore_failures, ...
 
-    def render(self, states: Counter[str], held: int) -> str:
+    def render(self, states: Counter[str], held: int,
+               pool_ready: dict[str, int] | None = None) -> str:
         lines = ["# TYPE agentbox_sandboxes gauge"]
         lines += [f'agentbox_sandboxes{{state="{s}"}} {n}' for s, n in sorted(states.items())]
         lines += ["# TYPE agentbox_requests_held gauge", f"agentbox_requests_held {held}"]
+        if pool_ready is not None:  # gateway.pool: members a create can claim now
+            lines += ["# TYPE agentbox_pool_ready gauge"]
+            lines += [f'agentbox_pool_ready{{template="{t}"}} {n}'
+                      for t, n in sorted(pool_ready.items())]
         lines += ["# TYPE agentbox_events_total counter"]
         lines += [f'agentbox_events_total{{event="{e}"}} {n}'
                   for e, n in sorted(self.events.items())]
         lines += self.restore_seconds.render("agentbox_restore_seconds")
         lines += self.suspend_seconds.render("agentbox_suspend_seconds")
+        lines += self.unpause_seconds.render("agentbox_unpause_seconds")
         return "\n".join(lines) + "\n"
 
 
@@ -72,6 +79,7 @@ async def metrics(request: web.Request) -> web.Response:
     states = Counter(r.state.value for r in svc.registry.list())
     from gateway.api_controls import prometheus_lines
 
-    text = svc.metrics.render(states, svc.holds.held) + "\n".join(prometheus_lines(svc)) + "\n"
+    text = svc.metrics.render(states, svc.holds.held, svc.pool.ready()) \
+        + "\n".join(prometheus_lines(svc)) + "\n"
     return web.Response(text=text, content_type="text/plain", charset="utf-8",
                         headers={"X-Content-Type-Options": "nosniff"})

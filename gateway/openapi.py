@@ -247,7 +247,7 @@ def _controls_schemas() -> dict[str, Any]:
 
 _LIMITS_DOC = {
     "max_sandboxes": "sandboxes the key may have (any state)",
-    "max_awake": "of those holding a VM at once (creating, running, restoring, suspending)",
+    "max_awake": "of those holding a VM at once (creating, running, paused, restoring, suspending)",
     "max_disk_mib": "sum of the key's sandbox directories on disk, checked at create",
     "rate": "API requests per second (token bucket)", "burst": "bucket size"}
 

@@ -10,10 +10,11 @@ JSON object on its registry row. The effective limits are the defaults with the
 overrides applied; 0 means "no limit" for every field.
 
 * ``max_sandboxes``: sandboxes that exist (any state but destroyed).
-* ``max_awake``: sandboxes holding a VMM (creating, running, restoring,
+* ``max_awake``: sandboxes holding a VMM (creating, running, paused, restoring,
   suspending). A create, or a request that would wake a suspended (or failed)
   sandbox, is refused at the limit: the tenant chooses which sandbox to suspend,
-  rather than the host suspending one behind its back.
+  rather than the host suspending one behind its back. A *paused* sandbox (idle
+  already) is snapshotted first to make room (``gateway.pause``).
 * ``max_disk_mib``: the sum of the blocks allocated to the key's sandbox
   directories (disk layer, memory file, snapshot), measured when a sandbox is
   created; a create is refused once the sum is at the limit. Each sandbox's disk
@@ -36,7 +37,8 @@ from typing import Any
 from gateway.errors import BadRequest, QuotaExceeded
 from gateway.lifecycle import State
 
-AWAKE_STATES = frozenset({State.CREATING, State.RUNNING, State.RESTORING, State.SUSPENDING})
+AWAKE_STATES = frozenset({State.CREATING, State.RUNNING, State.PAUSED, State.RESTORING,
+                          State.SUSPENDING})
 _INT_FIELDS = ("max_sandboxes", "max_awake", "max_disk_mib", "burst")
 
 

@@ -103,7 +103,12 @@ async def _step(ctl: SandboxController, step: c.Step,
             await machine.destroy()  # type: ignore[attr-defined]
         return None
     assert record is not None
+    if step is c.Step.ADOPT_PAUSED:  # its guest cannot answer while stopped: no health check
+        await machine.adopt_paused(record)  # type: ignore[attr-defined]
+        return dict(record.__dict__)
     await machine.adopt(record)  # type: ignore[attr-defined]
+    if step is c.Step.ADOPT:
+        await machine.ensure_running()  # type: ignore[attr-defined]
     if step is c.Step.RESUME:
         await machine.abort_suspend()
     if step is c.Step.FINISH_RESTORE:

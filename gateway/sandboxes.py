@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
-from gateway import lifetimes, quotas
+from gateway import lifetimes, pause, pool, quotas
 from gateway.config import Config
 from gateway.controller import HoldCounter, SandboxController, Wake, WakePolicy
 from gateway.errors import BadRequest, Conflict, SandboxNotFound, TemplateNotFound, Unavailable
@@ -50,13 +50,17 @@ class SandboxService:
         self.registry = registry
         self.backend = backend
         self.goldens = goldens
-        self.policy = policy or WakePolicy()
+        self.policy = policy or WakePolicy(
+            suspend_after_pause=config.sandbox.suspend_after_pause)
         self.holds = HoldCounter()
         self.metrics = Metrics()
         self._controllers: dict[str, SandboxController] = {}
         self._tasks: set[asyncio.Task] = set()
         self._golden_cache: dict[str, Golden] = {str(g.dir): g for g in goldens.values()}
         self._idle_task: asyncio.Task | None = None
+        size = config.pool.size if config.pool.size >= 0 else \
+            pool.auto_size(pool.mem_total_mib(), len(goldens))
+        self.pool = pool.WarmPool(self, size)
         self._expiry_task: asyncio.Task | None = None
         self.run_id: int | None = None  # this daemon's row in daemon_runs (gateway.usage)
 
@@ -86,8 +90,15 @@ class SandboxService:
         if golden is None:
             raise TemplateNotFound(f"template {template!r} not found; available: "
                                    f"{', '.join(sorted(self.goldens)) or 'none'}")
+        await self.make_room(tenant)
         times = lifetimes.at_create(lifetime or lifetimes.Lifetimes(), self.config.sandbox,
                                     time.time())
+        claimed = await self.pool.claim(tenant, template, metadata, self.config.sandbox.idle_timeout
+                                        if idle_timeout is None else idle_timeout, times)
+        if claimed is not None:
+            # Before the answer, so the tenant's first command already runs under its policy
+            # (until then the guest ran only its agent, under the host default).
+            return claimed if egress is None else await self.set_egress(tenant, claimed.id, egress)
         rec = self._reserve(tenant, template, golden, metadata, idle_timeout,
                             {**times, "egress": egress})
         ctl = self.controller(rec)
@@ -159,6 +170,8 @@ class SandboxService:
     async def use(self, tenant: str, sandbox_id: str) -> AsyncIterator[Machine]:
         """Hold a running sandbox for one request, waking it first if it sleeps."""
         ctl = self.controller(self.get(tenant, sandbox_id))
+        if ctl.state in (State.SUSPENDED, State.FAILED):
+            await self.make_room(tenant)
         self._check_wake(tenant, ctl)
         async with ctl.request() as wake:
             current_wake.set(wake)
@@ -168,6 +181,8 @@ class SandboxService:
     async def use_stream(self, tenant: str, sandbox_id: str) -> AsyncIterator[Machine]:
         """Like ``use`` for long-lived connections (WebSockets, terminals): not paced."""
         ctl = self.controller(self.get(tenant, sandbox_id))
+        if ctl.state in (State.SUSPENDED, State.FAILED):
+            await self.make_room(tenant)
         self._check_wake(tenant, ctl)
         async with ctl.stream() as wake:
             current_wake.set(wake)
@@ -221,6 +236,51 @@ class SandboxService:
                     await ctl.idle_check()
                 except Exception:
                     log.exception("idle check of %s", ctl.id)
+            try:
+                self._relieve_pressure()
+            except Exception:
+                log.exception("paused sandboxes: memory pressure check")
+
+    # -- paused sandboxes (gateway.pause decides; this measures and acts) -----------------
+
+    def _paused(self) -> list[pause.PausedSandbox]:
+        return [pause.PausedSandbox(ctl.id, ctl.rec.tenant, ctl.core.paused_since)
+                for ctl in self._controllers.values()
+                if ctl.state is State.PAUSED and ctl.core.op is None
+                and ctl.rec.tenant != pool.POOL_TENANT]
+
+    def _relieve_pressure(self) -> None:
+        """Snapshot one paused sandbox per scan while the host needs its memory."""
+        if any(t.get_name().startswith("pressure-") for t in self._tasks):
+            return  # one at a time: each snapshot frees the RAM it can
+        cfg = self.config.sandbox
+        victim = pause.pressure_victim(self._paused(), pause.mem_available_mib(),
+                                       pause.PressureLimits(cfg.max_paused,
+                                                            cfg.pause_min_available_mib))
+        if victim is not None:
+            sandbox_id, cause = victim
+            ctl = self._controllers[sandbox_id]
+            self.spawn(self._suspend_paused(ctl, cause), f"pressure-{sandbox_id}")
+
+    async def make_room(self, tenant: str) -> None:
+        """At ``max_awake``, snapshot the tenant's longest-paused sandbox (bounded: one per
+        paused sandbox it has), so one more may wake or be created."""
+        limits = self.limits(tenant)
+        for _ in range(len(self._controllers)):
+            if not limits.max_awake or self._usage(tenant).awake < limits.max_awake:
+                return
+            victim = pause.room_victim(self._paused(), tenant)
+            if victim is None:
+                return
+            await self._suspend_paused(self._controllers[victim], "room for another "
+                                       "awake sandbox of its tenant (max_awake)")
+
+    async def _suspend_paused(self, ctl: SandboxController, cause: str) -> None:
+        if ctl.state is not State.PAUSED or ctl.core.op is not None:
+            return
+        self.metrics.events["paused_suspended"] += 1
+        with contextlib.suppress(Exception):  # a request may have woken it meanwhile
+            await asyncio.shield(ctl.start_suspend(cause))
 
     # -- tasks and lifecycle -------------------------------------------------------------
 
@@ -239,11 +299,14 @@ class SandboxService:
 
     def start(self) -> None:
         self._idle_task = self.spawn(self._idle_loop(), "idle-loop")
+        self.pool.start()
         self.run_id = self.registry.start_run()  # after recovery: its transitions are before
         self._expiry_task = self.spawn(lifetimes.expiry_loop(self), "expiry-loop")
 
     async def aclose(self, timeout: float = 15.0) -> None:
-        """Stop background work; VMMs keep running for the next daemon to adopt."""
+        """Stop background work; VMMs keep running for the next daemon to adopt (but the
+        warm pool's own members are destroyed)."""
+        await self.pool.aclose()
         loops = (self._idle_task, self._expiry_task)
         for loop in loops:
             if loop is not None:

@@ -82,6 +82,10 @@ class Driver(abc.ABC):
     async def resume(self) -> None:
         await self._resume()
 
+    async def is_paused(self) -> bool:
+        """Whether the VM's vCPUs are stopped (by ``pause``, or a load that has not resumed)."""
+        return await self._is_paused()
+
     async def snapshot(self, dest: Path) -> SnapshotFiles:
         """Pause the VM and save device state (+ memory where the VMM needs it) under dest."""
         dest.mkdir(parents=True, exist_ok=True)
@@ -176,6 +180,9 @@ class Driver(abc.ABC):
 
     @abc.abstractmethod
     async def _resume(self) -> None: ...
+
+    @abc.abstractmethod
+    async def _is_paused(self) -> bool: ...
 
     @abc.abstractmethod
     async def _snapshot(self, dest: Path) -> SnapshotFiles: ...

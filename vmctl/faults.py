@@ -14,7 +14,8 @@ answered), ``suspend.migrating`` (the snapshot being written),
 ``suspend.written`` (snapshot complete, VMM not yet stopped), ``compact.recorded`` (a
 sleeping sandbox's memory diff written and named in its manifest, the full memory file not
 yet deleted), ``expand.rebuilt`` (a wake rebuilt the memory file from the diff, the
-manifest still names the diff).
+manifest still names the diff), ``pause.before_stop`` (PAUSED recorded, vCPUs still
+running), ``unpause.before_cont`` (RUNNING recorded, vCPUs stopped).
 """
 
 from __future__ import annotations

@@ -83,6 +83,7 @@ class Machine:
         self.agent: AgentClient | None = None
         self._seal: asyncio.Task | None = None  # after a suspend: seal, later compact
         self._seal_cancel = threading.Event()
+        self.paused = False  # the vCPUs are stopped (``pause``), the VMM and its RAM kept
         self._seal_wake = asyncio.Event()
         # Called (synchronously) with the new VMM's record before its guest may run, so the
         # owner can persist it: after a crash, recovery must find and adopt that VMM.
@@ -128,6 +129,9 @@ class Machine:
         *before* the VMM is stopped, so a crash in between leaves either a running
         VM or a complete snapshot of a paused one, never neither."""
         assert self.driver is not None
+        if self.paused:  # snapshot of a paused sandbox: let it flush its filesystems first
+            await self.driver.resume()
+            self.paused = False
         await self._sync_guest()
         await self._close_agent()
         layout = self.backend.layout
@@ -194,6 +198,49 @@ class Machine:
         await self.driver.resume()
         if self.agent is None:
             self.agent = AgentClient(self.plan.slot.guest_addr)
+
+    async def pause(self) -> None:
+        """Stop the vCPUs: no guest CPU use, the VMM and the guest's RAM stay as they are."""
+        if self.driver is None or not self.driver.alive():
+            raise VMGoneError(f"VMM of {self.plan.vm_id} is gone")
+        faults.point("pause.before_stop")
+        await self.driver.pause()
+        self.paused = True
+
+    async def unpause(self) -> float:
+        """Continue a paused VM and fix what the pause made stale (the guest's wall clock;
+        the CRNG is reseeded too, as after a restore); returns ms to agent-ready."""
+        started = time.monotonic()
+        if self.driver is None or not self.driver.alive():
+            raise VMGoneError(f"VMM of {self.plan.vm_id} is gone")
+        faults.point("unpause.before_cont")
+        await self.driver.resume()
+        self.paused = False
+        await self.require_agent().init(self._init_request())
+        return (time.monotonic() - started) * 1000
+
+    async def adopt_paused(self, record: VMMRecord) -> None:
+        """Adopt a VMM recorded as paused and make sure its vCPUs are stopped (a daemon
+        killed between recording the pause and stopping the VM left it running)."""
+        await self.adopt(record)
+        assert self.driver is not None
+        if not await self.driver.is_paused():
+            await self.driver.pause()
+        self.paused = True
+
+    async def ensure_running(self) -> None:
+        """On an adopted VMM: continue it if it is stopped (a daemon killed between
+        recording a wake from pause and the ``cont``)."""
+        assert self.driver is not None
+        if await self.driver.is_paused():
+            await self.driver.resume()
+            await self.require_agent().init(self._init_request())
+        self.paused = False
+
+    async def stop_vmm(self) -> None:
+        """Kill the VMM (its disk and files stay: the sandbox cold-boots them later)."""
+        self.paused = False
+        await self._abort_start()
 
     async def wake(self) -> float:
         """Restore from the sandbox's own snapshot; returns ms to agent-ready.

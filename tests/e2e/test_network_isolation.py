@@ -250,7 +250,7 @@ def egress_daemon(images_built, tmp_path_factory, internet):
     config.write_text(
         '[sandbox]\ntemplates = ["python"]\nidle_timeout = 0\n\n'
         f'[network]\npool = "{EGRESS_POOL}"\nallow_egress = true\n'
-        f"egress_allow = {json.dumps(EGRESS_ALLOW)}\n")
+        f"egress_allow = {json.dumps(EGRESS_ALLOW)}\n\n[pool]\nsize = 0\n")
     with running_daemon(root / "data", config=config) as d:
         yield d
 

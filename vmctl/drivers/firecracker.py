@@ -312,6 +312,9 @@ class FirecrackerDriver(Driver):
     async def _resume(self) -> None:
         await self._call().patch("/vm", {"state": "Resumed"})
 
+    async def _is_paused(self) -> bool:
+        return (await self._call().get("/")).get("state") == "Paused"
+
     async def _snapshot(self, dest: Path) -> SnapshotFiles:
         assert self.spec is not None
         await self._pause()

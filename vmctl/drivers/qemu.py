@@ -146,6 +146,9 @@ class QemuDriver(Driver):
     async def _resume(self) -> None:
         await self._qmp.execute("cont")
 
+    async def _is_paused(self) -> bool:
+        return (await self._qmp.execute("query-status")).get("status") == "paused"
+
     async def _snapshot(self, dest: Path) -> SnapshotFiles:
         assert self.spec is not None
         tmp, final = dest / (STATE_FILE + ".tmp"), dest / STATE_FILE

@@ -23,7 +23,7 @@ def _get(data: Any, name: str, kind: str) -> Any:
 
 @dataclass(frozen=True)
 class SandboxInfo:
-    """A sandbox as the server last described it (``state``: creating, running,
+    """A sandbox as the server last described it (``state``: creating, running, paused,
     suspending, suspended, restoring, failed, destroyed)."""
 
     id: str

@@ -25,8 +25,9 @@ const num = (v: unknown): number | undefined => (typeof v === "number" ? v : und
 const numOrNull = (v: unknown): number | null => (typeof v === "number" ? v : null);
 const strOrNull = (v: unknown): string | null => (typeof v === "string" ? v : null);
 
-/** creating, running, suspending, suspended, restoring, failed, destroyed. */
-export type SandboxState = "creating" | "running" | "suspending" | "suspended" | "restoring"
+/** creating, running, paused, suspending, suspended, restoring, failed, destroyed. */
+export type SandboxState = "creating" | "running" | "paused" | "suspending" | "suspended"
+  | "restoring"
   | "failed" | "destroyed" | (string & {});
 
 export interface SandboxInfo {
