@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway import resources
 from gateway.errors import BadRequest, Forbidden, NotFound, PayloadTooLarge
 from gateway.middleware import current_key
 from gateway.preview_auth import ACCESS_KEY, preview_view, validate_public_ports
@@ -45,6 +46,8 @@ def sandbox_view(rec: SandboxRecord) -> dict[str, Any]:
         "last_activity": rec.last_activity, "suspend_count": rec.suspend_count,
         "restore_count": rec.restore_count, "last_suspend_ms": rec.last_suspend_ms,
         "last_restore_ms": rec.last_restore_ms, "failure": rec.failure,
+        "vcpus": rec.vcpus or None, "memory_mib": rec.memory_mib or None,
+        "disk_mib": rec.disk_mib or None,
     }
 
 
@@ -82,8 +85,10 @@ async def list_templates(request: web.Request) -> web.Response:
 
 @routes.post("/v1/sandboxes")
 async def create_sandbox(request: web.Request) -> web.Response:
-    template, metadata, idle = validate_create(await read_json(request))
-    rec = await _service(request).create(current_key(request).id, template, metadata, idle)
+    shape, body = resources.split_request(await read_json(request))
+    template, metadata, idle = validate_create(body)
+    rec = await _service(request).create(current_key(request).id, template, metadata, idle,
+                                         shape)
     return json_response(sandbox_view(rec), status=201)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.quotas import TenancyConfig
+from gateway.resources import ResourcesConfig
 from vmctl.backend import FirecrackerConfig, VMConfig
 from vmctl.confine import ConfineConfig
 from vmctl.network import NetworkConfig
@@ -101,6 +102,7 @@ class Config:
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     vm: VMConfig = field(default_factory=VMConfig)
     tenancy: TenancyConfig = field(default_factory=TenancyConfig)  # gateway.quotas
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)  # gateway.resources
 
 
 def _section(cls: type, data: dict[str, Any], name: str) -> Any:
@@ -123,7 +125,7 @@ def load(path: Path | None = None, **overrides: Any) -> Config:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
     unknown = set(raw) - {"server", "sandbox", "vm", "network", "firecracker", "confine",
-                          "tenancy"}
+                          "tenancy", "resources"}
     if unknown:
         raise ConfigError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}")
     server_raw = dict(raw.get("server", {}))
@@ -137,4 +139,5 @@ def load(path: Path | None = None, **overrides: Any) -> Config:
                              "confine": confine}, "vm")
     return Config(server=_section(ServerConfig, server_raw, "server"),
                   sandbox=_section(SandboxConfig, raw.get("sandbox", {}), "sandbox"), vm=vm,
-                  tenancy=_section(TenancyConfig, raw.get("tenancy", {}), "tenancy"))
+                  tenancy=_section(TenancyConfig, raw.get("tenancy", {}), "tenancy"),
+                  resources=_section(ResourcesConfig, raw.get("resources", {}), "resources"))

@@ -99,6 +99,18 @@ _IDLE = {"type": "number", "minimum": 0,
          "description": "seconds without activity before the sandbox is suspended; 0 = never"}
 
 
+# Per-sandbox resources (gateway.resources): 400 invalid_resources, 403 resource_limit.
+_SHAPE_REQUEST = {
+    "vcpus": {"type": "integer", "minimum": 1, "description": "virtual CPUs (default: the "
+              "server's [vm] vcpus); a new (vcpus, memory_mib) waits for its golden snapshot"},
+    "memory_mib": {"type": "integer", "minimum": 64,
+                   "description": "guest RAM in MiB (default: the template's)"},
+    "disk_mib": {"type": "integer", "minimum": 1, "description": "root disk size in MiB the "
+                 "guest sees (default and minimum: the template's; sparse on the host)"}}
+_SHAPE_VIEW = {name: {"type": ["integer", "null"], "description": "null: made before shapes"}
+               for name in _SHAPE_REQUEST}
+
+
 def _gateway_schemas() -> dict[str, Any]:
     sandbox = _obj({
         "id": _STR, "state": {"type": "string", "enum": [s.value for s in State]},
@@ -106,6 +118,7 @@ def _gateway_schemas() -> dict[str, Any]:
         "created_at": _NUM, "updated_at": _NUM, "last_activity": _NUM,
         "suspend_count": _INT, "restore_count": _INT, "last_suspend_ms": _NNUM,
         "last_restore_ms": _NNUM, "failure": _NSTR,
+        **_SHAPE_VIEW,
         # the owner's view (create, get, update; not list): gateway.preview_auth.preview_view
         "preview_token": _STR, "public_ports": {"type": "array", "items": _INT},
         "preview_url_template": _STR},
@@ -133,7 +146,8 @@ def _gateway_schemas() -> dict[str, Any]:
         "CreateSandboxRequest": _obj({
             "template": {"type": "string", "description": "default: the server's default"},
             "environment": {"type": "string", "description": "alias of template"},
-            "metadata": _METADATA, "idle_timeout": _IDLE}, additionalProperties=False),
+            "metadata": _METADATA, "idle_timeout": _IDLE, **_SHAPE_REQUEST},
+            additionalProperties=False),
         "UpdateSandboxRequest": _obj({
             "metadata": _METADATA, "idle_timeout": _IDLE,
             "public_ports": {"type": "array", "items": _INT,
@@ -188,7 +202,10 @@ _LIMITS_DOC = {
     "max_sandboxes": "sandboxes the key may have (any state)",
     "max_awake": "of those holding a VM at once (creating, running, restoring, suspending)",
     "max_disk_mib": "sum of the key's sandbox directories on disk, checked at create",
-    "rate": "API requests per second (token bucket)", "burst": "bucket size"}
+    "rate": "API requests per second (token bucket)", "burst": "bucket size",
+    "max_vcpus": "vcpus one sandbox may ask for (also capped per template)",
+    "max_memory_mib": "memory_mib one sandbox may ask for (also capped per template)",
+    "max_sandbox_disk_mib": "disk_mib one sandbox may ask for (also capped per template)"}
 
 
 def _key_schemas() -> dict[str, Any]:
@@ -299,7 +316,7 @@ OPS: tuple[Op, ...] = (
     Op("DELETE", "/v1/keys/{key_id}", "Revoke a key (admin key only); its sandboxes stay",
        "keys", 204, errors=(400, 403, 404)),
     Op("POST", "/v1/sandboxes", "Create a sandbox", "sandboxes", 201, "CreateSandboxRequest",
-       "Sandbox", (400, 404, 409, 502, 503, 504)),
+       "Sandbox", (400, 403, 404, 409, 502, 503, 504)),
     Op("GET", "/v1/sandboxes", "List the key's sandboxes", "sandboxes", returns="SandboxList",
        errors=(403,), query=(_TENANT,)),
     Op("GET", _SB, "Get a sandbox", "sandboxes", returns="Sandbox", errors=(403, 404),

@@ -85,6 +85,10 @@ class SandboxRecord:
     last_suspend_ms: float | None = None
     last_restore_ms: float | None = None
     failure: str | None = None
+    # The shape (gateway.resources); 0 in rows made before shapes: the golden's.
+    vcpus: int = 0
+    memory_mib: int = 0
+    disk_mib: int = 0
 
 
 def hash_key(key: str) -> str:
@@ -110,6 +114,11 @@ class Registry:
         cols = {r["name"] for r in self._db.execute("PRAGMA table_info(api_keys)")}
         if "limits" not in cols:
             self._db.execute("ALTER TABLE api_keys ADD COLUMN limits TEXT NOT NULL DEFAULT '{}'")
+        cols = {r["name"] for r in self._db.execute("PRAGMA table_info(sandboxes)")}
+        for col in ("vcpus", "memory_mib", "disk_mib"):  # per-sandbox shape
+            if col not in cols:
+                self._db.execute(f"ALTER TABLE sandboxes ADD COLUMN {col} INTEGER NOT NULL "
+                                 "DEFAULT 0")
 
     def close(self) -> None:
         self._db.close()
