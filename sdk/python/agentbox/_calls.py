@@ -38,8 +38,10 @@ def _drop_none(**fields: Any) -> dict[str, Any]:
 # -- sandboxes ---------------------------------------------------------------------------------
 
 def create_sandbox(template: str | None, idle_timeout: float | None,
-                   metadata: dict[str, Any] | None) -> Call:
-    body = _drop_none(template=template, idle_timeout=idle_timeout, metadata=metadata)
+                   metadata: dict[str, Any] | None, **shape: int | None) -> Call:
+    """``shape``: vcpus, memory_mib, disk_mib (None: the template's)."""
+    body = _drop_none(template=template, idle_timeout=idle_timeout, metadata=metadata,
+                      **shape)
     return Call("POST", "/v1/sandboxes", json=body)
 
 

@@ -67,18 +67,23 @@ class AsyncSandbox:
     async def create(cls, template: str | None = _common.DEFAULT_TEMPLATE, *,
                      environment: str | None = None, idle_timeout: float | None = None,
                      metadata: dict[str, Any] | None = None, keep: bool = False,
+                     vcpus: int | None = None, memory_mib: int | None = None,
+                     disk_mib: int | None = None,
                      api_key: str | None = None, base_url: str | None = None,
                      timeout: float | None = None) -> AsyncSandbox:
         """Create a sandbox from ``template`` (alias ``environment``). ``idle_timeout``:
         seconds without activity before it is suspended (0 = never; None = the server's
-        default). ``keep=True``: leaving a ``with`` block does not kill it."""
+        default). ``keep=True``: leaving a ``with`` block does not kill it. ``vcpus``,
+        ``memory_mib``, ``disk_mib``: its shape (None = the template's; the server's limits
+        apply, and the first sandbox of a new vCPU/memory shape waits for its snapshot)."""
         from agentbox.async_client import AsyncAgentBox
 
         client = AsyncAgentBox(api_key=api_key, base_url=base_url, timeout=timeout)
         try:
             sandbox = await client.create(template, environment=environment,
                                           idle_timeout=idle_timeout, metadata=metadata,
-                                          keep=keep)
+                                          keep=keep, vcpus=vcpus, memory_mib=memory_mib,
+                                          disk_mib=disk_mib)
         except BaseException:
             await client.aclose()
             raise

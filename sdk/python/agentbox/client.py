@@ -42,11 +42,14 @@ class AgentBox:
 
     def create(self, template: str | None = _common.DEFAULT_TEMPLATE, *,
                environment: str | None = None, idle_timeout: float | None = None,
-               metadata: dict[str, Any] | None = None, keep: bool = False) -> Sandbox:
+               metadata: dict[str, Any] | None = None, keep: bool = False,
+               vcpus: int | None = None, memory_mib: int | None = None,
+               disk_mib: int | None = None) -> Sandbox:
         """A new sandbox from ``template`` (alias ``environment``); see
         :meth:`Sandbox.create`."""
         call = _calls.create_sandbox(_common.pick_template(template, environment), idle_timeout,
-                                     metadata)
+                                     metadata, vcpus=vcpus, memory_mib=memory_mib,
+                                     disk_mib=disk_mib)
         info = SandboxInfo.from_dict(self._transport.json(call))
         return Sandbox(self, info, keep=keep)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 import shlex
 import sys
 import time
@@ -44,6 +45,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("template", nargs="?", default="python", help="template (default python)")
     p.add_argument("--idle-timeout", type=float, help="seconds idle before suspend (0 = never)")
     p.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--vcpus", type=int, help="virtual CPUs (default: the server's)")
+    p.add_argument("--memory", type=size_mib, metavar="SIZE",
+                   help="guest RAM: MiB, or with a unit (512M, 2G); default: the template's")
+    p.add_argument("--disk", type=size_mib, metavar="SIZE",
+                   help="root disk size: MiB, or with a unit (4G); default: the template's")
     cmd("ls", cmd_ls, "list sandboxes")
     cmd("info", cmd_info, "show a sandbox").add_argument("sandbox")
     p = cmd("exec", cmd_exec, "run a shell command in a sandbox")
@@ -121,11 +127,20 @@ def _pairs(items: list[str], what: str) -> dict[str, str]:
 
 # -- sandboxes -----------------------------------------------------------------------------
 
+def size_mib(text: str) -> int:
+    """``--memory``/``--disk``: 1024, 512M, 4G, 4GiB -> MiB."""
+    match = re.fullmatch(r"(\d+)\s*(?:([mMgG])(?:i?[bB])?)?", text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size in MiB or with M/G: {text!r}")
+    return int(match.group(1)) * (1024 if (match.group(2) or "m") in "gG" else 1)
+
+
 def cmd_create(args: argparse.Namespace) -> int:
     with _client(args) as box, out.Spinner(f"creating a {args.template} sandbox"):
         start = time.monotonic()
         sandbox = box.create(args.template, idle_timeout=args.idle_timeout,
-                             metadata=_pairs(args.metadata, "--metadata") or None, keep=True)
+                             metadata=_pairs(args.metadata, "--metadata") or None, keep=True,
+                             vcpus=args.vcpus, memory_mib=args.memory, disk_mib=args.disk)
     if args.json:
         out.print_json(sandbox.info)
     else:

@@ -42,6 +42,9 @@ class SandboxInfo:
     preview_token: str | None = None  # only from get/update (the owner's view), not list
     public_ports: list[int] = field(default_factory=list)
     preview_url_template: str | None = None
+    vcpus: int | None = None  # the shape (None: a sandbox made before shapes)
+    memory_mib: int | None = None
+    disk_mib: int | None = None
 
     @classmethod
     def from_dict(cls, data: Any) -> SandboxInfo:
