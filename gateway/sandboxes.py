@@ -101,10 +101,14 @@ class SandboxService:
         """The shape a create gets (gateway.resources decides; 400/403 if refused)."""
         golden, cfg, key = self.goldens[template], self.config.resources, self.limits(tenant)
         default = resources.Shape(golden.vcpus, golden.mem_mib, golden.disk_mib)
-        return resources.resolve(request, default, cfg.for_template(template),
-                                 resources.ResourceLimits(key.max_vcpus, key.max_memory_mib,
-                                                          key.max_sandbox_disk_mib),
-                                 cfg.min_memory_mib)
+        shape = resources.resolve(request, default, cfg.for_template(template),
+                                  resources.ResourceLimits(key.max_vcpus, key.max_memory_mib,
+                                                           key.max_sandbox_disk_mib),
+                                  cfg.min_memory_mib)
+        if shape.disk_mib > default.disk_mib and self.backend.driver_name == "firecracker":
+            raise BadRequest("this host's VMM (firecracker) cannot grow a sandbox's disk yet",
+                             code="invalid_resources")
+        return shape
 
     @staticmethod
     def _counted_disk(golden: Golden, shape: resources.Shape) -> int:
