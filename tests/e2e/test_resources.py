@@ -49,6 +49,26 @@ def assert_shape(seen: tuple[int, int, int]) -> None:
     assert 3900 * 1024 < root_kib <= 4096 * 1024, root_kib
 
 
+def assert_cgroup_follows_the_shape(sb_id: str) -> None:
+    """The confined VMM's cgroup: memory = 1 GiB + the overhead, CPU quota = 2 cores."""
+    from vmctl.cgroup import Hierarchy
+    from vmctl.confine import ConfineConfig
+
+    hierarchy = Hierarchy.detect()
+    if os.geteuid() != 0 or hierarchy is None:
+        pytest.skip("VMMs are not confined here (not root, or no cgroups)")
+    overhead = ConfineConfig().memory_overhead_mib
+    if hierarchy.version == 2:
+        [d] = Path("/sys/fs/cgroup/agentbox").glob(f"*/{sb_id}")
+        assert int((d / "memory.max").read_text()) == (1024 + overhead) << 20
+        assert (d / "cpu.max").read_text().split()[0] == "200000"
+    else:
+        [mem] = Path("/sys/fs/cgroup/memory/agentbox").glob(f"*/{sb_id}")
+        [cpu] = Path("/sys/fs/cgroup/cpu/agentbox").glob(f"*/{sb_id}")
+        assert int((mem / "memory.limit_in_bytes").read_text()) == (1024 + overhead) << 20
+        assert int((cpu / "cpu.cfs_quota_us").read_text()) == 200000
+
+
 def test_shaped_sandbox_sees_its_shape_across_suspend_and_wake(shaped_daemon):
     with client(shaped_daemon) as api:
         r = api.post("/v1/sandboxes", json={"template": "python", **SHAPE})
@@ -59,6 +79,7 @@ def test_shaped_sandbox_sees_its_shape_across_suspend_and_wake(shaped_daemon):
             assert_shape(probe(api, sb["id"]))
             got = api.get(f"/v1/sandboxes/{sb['id']}").json()
             assert {k: got[k] for k in SHAPE} == SHAPE
+            assert_cgroup_follows_the_shape(sb["id"])
             # The disk file is sparse: a 4 GiB virtual disk takes a fraction of that.
             disk = Path(shaped_daemon.data_dir) / "sandboxes" / sb["id"] / "disk.qcow2"
             allocated = os.stat(disk).st_blocks * 512

@@ -157,3 +157,25 @@ def test_grow_command_waits_for_the_new_size_then_resizes(tmp_path):
     (tmp_path / "size").write_text(str((4096 << 20) // 512))
     res = subprocess.run(["sh", "-c", fake], capture_output=True, text=True)
     assert res.returncode == 0 and res.stdout.strip() == "grown"
+
+
+def test_machine_spec_and_cgroup_limits_follow_the_golden_shape(tmp_path):
+    from vmctl import network
+    from vmctl.backend import Backend, VMConfig
+    from vmctl.confine import ConfineConfig
+    from vmctl.golden import Golden
+    from vmctl.machine import Machine, MachinePlan
+    from vmctl.spec import Accel, SnapshotFiles
+
+    snap = SnapshotFiles(tmp_path / "s", tmp_path / "m", tmp_path / "d", Accel.TCG, "qemu")
+    golden = Golden("python", tmp_path / "g", snap, tmp_path / "k", None, "console=ttyS0",
+                    mem_mib=1024, vcpus=2, disk_mib=1216)
+    cfg = VMConfig(vcpus=1, confine=ConfineConfig(memory_overhead_mib=256, cpu_percent=100))
+    backend = Backend("qemu", Accel.TCG, "test", cfg, confined=True)
+    slot = network.slot_for(3, "sb", cfg.network)
+    spec = Machine(MachinePlan("sb", tmp_path / "sb", slot, golden, disk_mib=4096),
+                   backend).spec
+    assert (spec.vcpus, spec.mem_mib) == (2, 1024)  # the golden's, not the config's 1 vCPU
+    assert spec.confinement is not None
+    assert spec.confinement.limits.memory_bytes == (1024 + 256) << 20
+    assert spec.confinement.limits.cpu_quota_us == 200_000
