@@ -80,7 +80,8 @@ async def list_templates(request: web.Request) -> web.Response:
     svc = _service(request)
     return json_response({"templates": [
         {"name": g.template, "mem_mib": g.mem_mib, "default": g.template ==
-         svc.config.sandbox.default_template} for g in svc.goldens.values()]})
+         svc.config.sandbox.default_template} | resources.template_view(
+             g, svc.config.resources.for_template(g.template)) for g in svc.goldens.values()]})
 
 
 @routes.post("/v1/sandboxes")

@@ -107,6 +107,12 @@ _SHAPE_REQUEST = {
                    "description": "guest RAM in MiB (default: the template's)"},
     "disk_mib": {"type": "integer", "minimum": 1, "description": "root disk size in MiB the "
                  "guest sees (default and minimum: the template's; sparse on the host)"}}
+_TEMPLATE_SHAPE = {
+    "vcpus": {"type": "integer", "description": "default vCPUs (mem_mib: default RAM)"},
+    "disk_mib": {"type": "integer", "description": "default (and smallest) disk"},
+    **{f"max_{name}": {"type": "integer", "description": f"largest {name} a create may ask "
+                       "for (the key's limits apply too); 0 = no limit"}
+       for name in ("vcpus", "memory_mib", "disk_mib")}}
 _SHAPE_VIEW = {name: {"type": ["integer", "null"], "description": "null: made before shapes"}
                for name in _SHAPE_REQUEST}
 
@@ -154,7 +160,8 @@ def _gateway_schemas() -> dict[str, Any]:
                              "description": "ports served without the preview token "
                                             "(replaces the list)"}},
             additionalProperties=False),
-        "Template": _obj({"name": _STR, "mem_mib": _INT, "default": _BOOL}, ("name",)),
+        "Template": _obj({"name": _STR, "mem_mib": _INT, "default": _BOOL, **_TEMPLATE_SHAPE},
+                         ("name",)),
         "TemplateList": _list_of("templates", "Template"),
         "Health": _obj({"status": _STR, "vmm": _STR, "accel": _STR, "accel_reason": _STR,
                         "templates": {"type": "array", "items": _STR}}, ("status",)),

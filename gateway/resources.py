@@ -103,6 +103,13 @@ class ResourcesConfig:
         return ResourceLimits(**(base | dict(self.templates.get(template, {}))))
 
 
+def template_view(golden: Any, limits: ResourceLimits) -> dict[str, Any]:
+    """``GET /v1/templates``: a template's default shape and its per-sandbox limits."""
+    return {"vcpus": golden.vcpus, "disk_mib": golden.disk_mib,
+            "max_vcpus": limits.max_vcpus, "max_memory_mib": limits.max_memory_mib,
+            "max_disk_mib": limits.max_disk_mib}
+
+
 def split_request(body: Any) -> tuple[ShapeRequest, Any]:
     """The shape fields of a create body, and the body without them."""
     if not isinstance(body, dict):
