@@ -33,7 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    base = 1024 + 8 * (os.getpid() % 500)  # RAM sizes no earlier run built
+    base = 640 + 8 * (os.getpid() % 40)  # RAM sizes (640..960 MiB) no earlier run built
     figures: dict[str, list[float]] = {"new shape (golden build + create)": [],
                                        "cached shape (2 vCPU, 1 GiB)": [],
                                        "default shape": [], "default + 4 GiB disk": []}
