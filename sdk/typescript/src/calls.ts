@@ -50,8 +50,10 @@ function ports(value: unknown): number[] {
 // -- sandboxes ------------------------------------------------------------------------------
 
 export const createSandbox = (template: string | undefined, idleTimeout: number | undefined,
-                              metadata: Record<string, unknown> | undefined): Call =>
-  ({ method: "POST", path: "/v1/sandboxes", json: defined({ template, idle_timeout: idleTimeout, metadata }) });
+                              metadata: Record<string, unknown> | undefined,
+                              shape: Record<string, number | undefined> = {}): Call =>
+  ({ method: "POST", path: "/v1/sandboxes",
+     json: defined({ template, idle_timeout: idleTimeout, metadata, ...shape }) });
 export const listSandboxes = (): Call => ({ method: "GET", path: "/v1/sandboxes" });
 export const getSandbox = (id: string): Call => ({ method: "GET", path: sb(id) });
 export const deleteSandbox = (id: string): Call => ({ method: "DELETE", path: sb(id) });

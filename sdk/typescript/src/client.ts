@@ -24,6 +24,10 @@ export interface CreateOptions {
   metadata?: Record<string, unknown> | undefined;
   /** `await using` does not kill it at the end of the block. */
   keep?: boolean | undefined;
+  /** Its shape (default: the template's; the server's limits apply). */
+  vcpus?: number | undefined;
+  memoryMib?: number | undefined;
+  diskMib?: number | undefined;
 }
 
 function pickTemplate(options: CreateOptions): string {
@@ -54,7 +58,8 @@ export class AgentBox {
 
   /** A new sandbox from `template` (alias `environment`; default "python"). */
   async create(options: CreateOptions = {}): Promise<Sandbox> {
-    const call = calls.createSandbox(pickTemplate(options), options.idleTimeout, options.metadata);
+    const call = calls.createSandbox(pickTemplate(options), options.idleTimeout, options.metadata,
+      { vcpus: options.vcpus, memory_mib: options.memoryMib, disk_mib: options.diskMib });
     return new Sandbox(this, parseSandbox(await this._transport.json(call)), { keep: options.keep });
   }
 

@@ -50,6 +50,10 @@ export interface SandboxInfo {
   previewToken: string | null;
   publicPorts: number[];
   previewUrlTemplate: string | null;
+  /** Its shape (null: a sandbox made before shapes). */
+  vcpus: number | null;
+  memoryMib: number | null;
+  diskMib: number | null;
 }
 
 export function parseSandbox(data: unknown): SandboxInfo {
@@ -66,6 +70,7 @@ export function parseSandbox(data: unknown): SandboxInfo {
     failure: strOrNull(d.failure), previewToken: strOrNull(d.preview_token),
     publicPorts: Array.isArray(d.public_ports) ? d.public_ports.map(Number) : [],
     previewUrlTemplate: strOrNull(d.preview_url_template),
+    vcpus: numOrNull(d.vcpus), memoryMib: numOrNull(d.memory_mib), diskMib: numOrNull(d.disk_mib),
   };
 }
 
