@@ -179,3 +179,68 @@ def test_machine_spec_and_cgroup_limits_follow_the_golden_shape(tmp_path):
     assert spec.confinement is not None
     assert spec.confinement.limits.memory_bytes == (1024 + 256) << 20
     assert spec.confinement.limits.cpu_quota_us == 200_000
+
+
+def _shape_goldens(tmp_path, monkeypatch, build):  # type: ignore[no-untyped-def]
+    """A ShapeGoldens whose golden builds are ``build(mem_mib, vcpus)`` (no VM)."""
+    import asyncio
+
+    from gateway import shapes
+
+    default = SimpleNamespace(template="python", dir=tmp_path / "img" / "golden-x-512M-r3",
+                              vcpus=1, mem_mib=512, disk_mib=1216)
+    tasks: set[asyncio.Task] = set()
+
+    def spawn(coro, name):  # type: ignore[no-untyped-def]
+        task = asyncio.ensure_future(coro)
+        tasks.add(task)
+        return task
+
+    async def fake_ensure(image, backend, progress, build_slot, mem_mib, vcpus):  # type: ignore[no-untyped-def]
+        return await build(mem_mib, vcpus)
+
+    monkeypatch.setattr(shapes, "ensure_golden", fake_ensure)
+    monkeypatch.setattr(shapes, "_image_of", lambda golden: object())
+    return shapes.ShapeGoldens(SimpleNamespace(), {"python": default}, spawn), default
+
+
+async def test_concurrent_creates_of_a_new_shape_share_one_build(tmp_path, monkeypatch):
+    import asyncio
+
+    builds = []
+    gate = asyncio.Event()
+
+    async def build(mem_mib, vcpus):  # type: ignore[no-untyped-def]
+        builds.append((vcpus, mem_mib))
+        await gate.wait()
+        return SimpleNamespace(vcpus=vcpus, mem_mib=mem_mib)
+
+    goldens, default = _shape_goldens(tmp_path, monkeypatch, build)
+    assert await goldens.get("python", 1, 512) is default  # the default shape: no build
+    waiters = [asyncio.create_task(goldens.get("python", 2, 1024)) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    waiters[0].cancel()  # a client that goes away does not stop the build
+    gate.set()
+    got = await asyncio.gather(*waiters[1:])
+    assert builds == [(2, 1024)]
+    assert got[0] is got[1] and (got[0].vcpus, got[0].mem_mib) == (2, 1024)
+    assert await goldens.get("python", 2, 1024) is got[0]  # cached now
+    assert builds == [(2, 1024)]
+
+
+async def test_a_failed_build_is_retried_by_the_next_create(tmp_path, monkeypatch):
+    from vmctl.errors import ImageError
+
+    attempts = []
+
+    async def build(mem_mib, vcpus):  # type: ignore[no-untyped-def]
+        attempts.append(mem_mib)
+        if len(attempts) == 1:
+            raise ImageError("warm-up failed")
+        return SimpleNamespace(vcpus=vcpus, mem_mib=mem_mib)
+
+    goldens, _ = _shape_goldens(tmp_path, monkeypatch, build)
+    with pytest.raises(ImageError):
+        await goldens.get("python", 1, 768)
+    assert (await goldens.get("python", 1, 768)).mem_mib == 768
+    assert attempts == [768, 768]
