@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import running_daemon
+from tests.e2e.conftest import running_daemon, start_daemon, stop_daemon, vmm_pids_for
 
 pytestmark = pytest.mark.e2e
 
@@ -134,3 +134,28 @@ def test_refusals(shaped_daemon):
                 r = who.post("/v1/sandboxes", json={"template": "python", **body})
                 assert (r.status_code, r.json()["error"]["code"]) == (status, code), (body, r.text)
         assert not api.get("/v1/sandboxes").json()["sandboxes"]
+
+
+def test_shape_survives_a_daemon_restart(images_built, tmp_path):
+    """The shape is the registry's: a suspended 2 vCPU / 1 GiB / 4 GiB sandbox woken by the
+    next daemon is restored with that shape (its golden is found again by its name)."""
+    data = tmp_path / "data"
+    d = start_daemon(data)
+    try:
+        with client(d) as api:
+            r = api.post("/v1/sandboxes", json={"template": "python", **SHAPE})
+            assert r.status_code == 201, r.text
+            sb_id = r.json()["id"]
+            assert api.post(f"/v1/sandboxes/{sb_id}/suspend").json()["state"] == "suspended"
+        stop_daemon(d)
+        d = start_daemon(data)
+        with client(d) as api:
+            got = api.get(f"/v1/sandboxes/{sb_id}").json()
+            assert {k: got[k] for k in SHAPE} == SHAPE
+            assert_shape(probe(api, sb_id))
+    finally:
+        with client(d) as api:
+            for sb in api.get("/v1/sandboxes").json()["sandboxes"]:
+                api.delete(f"/v1/sandboxes/{sb['id']}")
+        stop_daemon(d)
+        assert not vmm_pids_for(str(data))
