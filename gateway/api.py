@@ -10,6 +10,7 @@ import orjson
 from aiohttp import web
 
 from gateway import lifetimes, listing
+from gateway import resources
 from gateway.errors import BadRequest, Forbidden, NotFound, PayloadTooLarge
 from gateway.egress_api import egress_view, parse_egress
 from gateway.middleware import current_key
@@ -48,6 +49,8 @@ def sandbox_view(rec: SandboxRecord) -> dict[str, Any]:
         "restore_count": rec.restore_count, "last_suspend_ms": rec.last_suspend_ms,
         "last_restore_ms": rec.last_restore_ms, "failure": rec.failure,
         "egress": egress_view(rec.egress),
+        "vcpus": rec.vcpus or None, "memory_mib": rec.memory_mib or None,
+        "disk_mib": rec.disk_mib or None,
     } | lifetimes.view(rec)
 
 
@@ -86,18 +89,19 @@ async def list_templates(request: web.Request) -> web.Response:
     svc = _service(request)
     return json_response({"templates": [
         {"name": g.template, "mem_mib": g.mem_mib, "default": g.template ==
-         svc.config.sandbox.default_template} for g in svc.goldens.values()]})
+         svc.config.sandbox.default_template} | resources.template_view(
+             g, svc.config.resources.for_template(g.template)) for g in svc.goldens.values()]})
 
 
 @routes.post("/v1/sandboxes")
 async def create_sandbox(request: web.Request) -> web.Response:
-    body = await read_json(request)
+    shape, body = resources.split_request(await read_json(request))
     template, metadata, idle = validate_create(body)
     svc = _service(request)
     egress = (parse_egress(body["egress"], svc.backend.config.network)
               if "egress" in body else None)
     rec = await svc.create(current_key(request).id, template, metadata, idle,
-                           lifetimes.parse(body), egress)
+                           lifetimes.parse(body), egress, shape)
     return json_response(_with_egress(request, rec), status=201)
 
 

@@ -75,7 +75,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 _LIMITS = {"max_sandboxes": int, "max_awake": int, "max_disk_mib": int, "rate": float,
-           "burst": int}
+           "burst": int, "max_vcpus": int, "max_memory_mib": int, "max_sandbox_disk_mib": int}
 
 
 def _limit_flags(parser: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.quotas import TenancyConfig
+from gateway.resources import ResourcesConfig
 from vmctl.backend import FirecrackerConfig, VMConfig
 from vmctl.confine import ConfineConfig
 from vmctl.network import NetworkConfig
@@ -132,6 +133,7 @@ class Config:
     vm: VMConfig = field(default_factory=VMConfig)
     tenancy: TenancyConfig = field(default_factory=TenancyConfig)  # gateway.quotas
     pool: PoolConfig = field(default_factory=PoolConfig)  # gateway.pool
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)  # gateway.resources
 
 
 def _section(cls: type, data: dict[str, Any], name: str) -> Any:
@@ -154,7 +156,7 @@ def load(path: Path | None = None, **overrides: Any) -> Config:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
     unknown = set(raw) - {"server", "sandbox", "vm", "network", "firecracker", "confine",
-                          "tenancy", "pool"}
+                          "tenancy", "pool", "resources"}
     if unknown:
         raise ConfigError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}")
     server_raw = dict(raw.get("server", {}))
@@ -169,4 +171,5 @@ def load(path: Path | None = None, **overrides: Any) -> Config:
     return Config(server=_section(ServerConfig, server_raw, "server"),
                   sandbox=_section(SandboxConfig, raw.get("sandbox", {}), "sandbox"), vm=vm,
                   tenancy=_section(TenancyConfig, raw.get("tenancy", {}), "tenancy"),
-                  pool=_section(PoolConfig, raw.get("pool", {}), "pool"))
+                  pool=_section(PoolConfig, raw.get("pool", {}), "pool"),
+                  resources=_section(ResourcesConfig, raw.get("resources", {}), "resources"))

@@ -94,6 +94,7 @@ ERROR_CODES: dict[str, str] = {
     "is_a_directory": "a path that must be a file is a directory",
     "bad_session_name": "a session name is not a DNS label",
     "websocket_required": "the endpoint is a WebSocket: send an Upgrade",
+    "invalid_resources": "vcpus, memory_mib or disk_mib is not possible (see the message)",
     "http_error": "any other HTTP error from the web framework",
     # 401/403: who is asking
     "unauthorized": "not authenticated",
@@ -102,6 +103,7 @@ ERROR_CODES: dict[str, str] = {
     "forbidden": "the key may not do this (admin only)",
     "cross_origin_refused": "a browser request from another origin",
     "port_reserved": "the preview port is reserved (the guest agent's own)",
+    "resource_limit": "vcpus, memory_mib or disk_mib is over the template's or key's limit",
     # 404: what is asked for
     "not_found": "the object or file does not exist",
     "no_route": "no route matches the request's path",

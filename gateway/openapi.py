@@ -112,6 +112,24 @@ _IDLE = {"type": "number", "minimum": 0,
          "description": "seconds without activity before the sandbox is suspended; 0 = never"}
 
 
+# Per-sandbox resources (gateway.resources): 400 invalid_resources, 403 resource_limit.
+_SHAPE_REQUEST = {
+    "vcpus": {"type": "integer", "minimum": 1, "description": "virtual CPUs (default: the "
+              "server's [vm] vcpus); a new (vcpus, memory_mib) waits for its golden snapshot"},
+    "memory_mib": {"type": "integer", "minimum": 64,
+                   "description": "guest RAM in MiB (default: the template's)"},
+    "disk_mib": {"type": "integer", "minimum": 1, "description": "root disk size in MiB the "
+                 "guest sees (default and minimum: the template's; sparse on the host)"}}
+_TEMPLATE_SHAPE = {
+    "vcpus": {"type": "integer", "description": "default vCPUs (mem_mib: default RAM)"},
+    "disk_mib": {"type": "integer", "description": "default (and smallest) disk"},
+    **{f"max_{name}": {"type": "integer", "description": f"largest {name} a create may ask "
+                       "for (the key's limits apply too); 0 = no limit"}
+       for name in ("vcpus", "memory_mib", "disk_mib")}}
+_SHAPE_VIEW = {name: {"type": ["integer", "null"], "description": "null: made before shapes"}
+               for name in _SHAPE_REQUEST}
+
+
 def _gateway_schemas() -> dict[str, Any]:
     sandbox = _obj({
         "id": _STR, "state": {"type": "string", "enum": [s.value for s in State]},
@@ -124,6 +142,7 @@ def _gateway_schemas() -> dict[str, Any]:
         "auto_delete_after": _NUM,
         "delete_at": {"type": ["number", "null"],
                       "description": "suspended/failed: Unix time auto_delete_after ends"},
+        **_SHAPE_VIEW,
         # the owner's view (create, get, update; not list): gateway.preview_auth.preview_view
         "preview_token": _STR, "public_ports": {"type": "array", "items": _INT},
         "preview_url_template": _STR},
@@ -155,7 +174,8 @@ def _gateway_schemas() -> dict[str, Any]:
         "CreateSandboxRequest": _obj({
             "template": {"type": "string", "description": "default: the server's default"},
             "environment": {"type": "string", "description": "alias of template"},
-            "metadata": _METADATA, "idle_timeout": _IDLE, "egress": _EGRESS_IN, **_LIFETIMES},
+            "metadata": _METADATA, "idle_timeout": _IDLE, "egress": _EGRESS_IN, **_LIFETIMES,
+            **_SHAPE_REQUEST},
             additionalProperties=False),
         "UpdateSandboxRequest": _obj({
             "metadata": _METADATA, "idle_timeout": _IDLE, **_LIFETIMES,
@@ -164,7 +184,8 @@ def _gateway_schemas() -> dict[str, Any]:
                                             "(replaces the list)"},
             "egress": _EGRESS_IN},
             additionalProperties=False),
-        "Template": _obj({"name": _STR, "mem_mib": _INT, "default": _BOOL}, ("name",)),
+        "Template": _obj({"name": _STR, "mem_mib": _INT, "default": _BOOL, **_TEMPLATE_SHAPE},
+                         ("name",)),
         "TemplateList": _list_of("templates", "Template"),
         "Health": _obj({"status": _STR, "vmm": _STR, "accel": _STR, "accel_reason": _STR,
                         "templates": {"type": "array", "items": _STR}}, ("status",)),
@@ -249,7 +270,10 @@ _LIMITS_DOC = {
     "max_sandboxes": "sandboxes the key may have (any state)",
     "max_awake": "of those holding a VM at once (creating, running, paused, restoring, suspending)",
     "max_disk_mib": "sum of the key's sandbox directories on disk, checked at create",
-    "rate": "API requests per second (token bucket)", "burst": "bucket size"}
+    "rate": "API requests per second (token bucket)", "burst": "bucket size",
+    "max_vcpus": "vcpus one sandbox may ask for (also capped per template)",
+    "max_memory_mib": "memory_mib one sandbox may ask for (also capped per template)",
+    "max_sandbox_disk_mib": "disk_mib one sandbox may ask for (also capped per template)"}
 
 
 def _key_schemas() -> dict[str, Any]:
@@ -367,7 +391,7 @@ OPS: tuple[Op, ...] = (
     Op("DELETE", "/v1/keys/{key_id}", "Revoke a key (admin key only); its sandboxes stay",
        "keys", 204, errors=(400, 403, 404)),
     Op("POST", "/v1/sandboxes", "Create a sandbox", "sandboxes", 201, "CreateSandboxRequest",
-       "Sandbox", (400, 404, 409, 502, 503, 504)),
+       "Sandbox", (400, 403, 404, 409, 502, 503, 504)),
     Op("GET", "/v1/sandboxes", "List the key's sandboxes", "sandboxes", returns="SandboxList",
        errors=(400, 403), query=(_TENANT, *_LIST_QUERY),
        description="Filters combine (all must match); ordered by created_at, then id. Any "

@@ -21,6 +21,9 @@ overrides applied; 0 means "no limit" for every field.
   is bounded anyway by its template's virtual size, so the sum between two
   creates can grow by at most that much per sandbox.
 * ``rate`` / ``burst``: the key's token bucket (``gateway.ratelimit``).
+* ``max_vcpus``, ``max_memory_mib``, ``max_sandbox_disk_mib``: the largest shape one
+  sandbox of the key may ask for (``gateway.resources``; over it: 403 ``resource_limit``).
+  A create that names a ``disk_mib`` also counts that size against ``max_disk_mib``.
 
 All quota refusals are 409 ``quota_exceeded``: the tenant can fix the conflict
 (delete or suspend a sandbox) and retry; 403 is for what no retry can fix.
@@ -39,7 +42,8 @@ from gateway.lifecycle import State
 
 AWAKE_STATES = frozenset({State.CREATING, State.RUNNING, State.PAUSED, State.RESTORING,
                           State.SUSPENDING})
-_INT_FIELDS = ("max_sandboxes", "max_awake", "max_disk_mib", "burst")
+_INT_FIELDS = ("max_sandboxes", "max_awake", "max_disk_mib", "burst", "max_vcpus",
+               "max_memory_mib", "max_sandbox_disk_mib")
 
 
 def _non_negative_int(name: str, value: Any) -> None:
@@ -55,6 +59,10 @@ class Limits:
     max_disk_mib: int = 0
     rate: float = 0.0  # requests per second; 0 = not rate limited
     burst: int = 1
+    # Per sandbox (gateway.resources); 0 = only the template's limits apply.
+    max_vcpus: int = 0
+    max_memory_mib: int = 0
+    max_sandbox_disk_mib: int = 0
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:
@@ -92,6 +100,9 @@ class TenancyConfig:
     # address. A proxy elsewhere must be listed here (X-Forwarded-For is not trusted).
     address_exempt: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
     table_size: int = 10000  # buckets kept per table (least recently used dropped)
+    max_vcpus: int = 0  # per-sandbox shape limits of every non-admin key (gateway.resources)
+    max_memory_mib: int = 0
+    max_sandbox_disk_mib: int = 0
 
     def __post_init__(self) -> None:
         _ = self.limits  # validates the per-key defaults
@@ -109,7 +120,8 @@ class TenancyConfig:
     @property
     def limits(self) -> Limits:
         return Limits(self.max_sandboxes, self.max_awake, self.max_disk_mib, self.rate,
-                      self.burst)
+                      self.burst, self.max_vcpus, self.max_memory_mib,
+                      self.max_sandbox_disk_mib)
 
     def limits_for(self, admin: bool, overrides: dict[str, Any]) -> Limits:
         """A key's effective limits. Admin keys (the operator's) are not limited by the
@@ -129,8 +141,9 @@ def usage_of(states: Iterable[State], disk_bytes: int = 0) -> Usage:
     return Usage(len(states), sum(s in AWAKE_STATES for s in states), disk_bytes)
 
 
-def check_create(key_id: str, limits: Limits, usage: Usage) -> None:
-    """Raise ``QuotaExceeded`` if one more sandbox would break a limit of the key."""
+def check_create(key_id: str, limits: Limits, usage: Usage, disk_mib: int = 0) -> None:
+    """Raise ``QuotaExceeded`` if one more sandbox would break a limit of the key.
+    ``disk_mib``: the disk size the create asked for (0: the template's, not counted)."""
     if limits.max_sandboxes and usage.sandboxes >= limits.max_sandboxes:
         raise QuotaExceeded(f"key {key_id} has {usage.sandboxes} sandboxes, its limit "
                             f"(max_sandboxes={limits.max_sandboxes}): delete one first")
@@ -138,6 +151,11 @@ def check_create(key_id: str, limits: Limits, usage: Usage) -> None:
         raise QuotaExceeded(f"key {key_id}'s sandboxes use {usage.disk_bytes >> 20} MiB of "
                             f"disk, its limit (max_disk_mib={limits.max_disk_mib}): "
                             "delete one first")
+    if limits.max_disk_mib and disk_mib and \
+            (usage.disk_bytes >> 20) + disk_mib > limits.max_disk_mib:
+        raise QuotaExceeded(f"key {key_id}'s sandboxes use {usage.disk_bytes >> 20} MiB of "
+                            f"disk; {disk_mib} MiB more is over its limit "
+                            f"(max_disk_mib={limits.max_disk_mib})")
     check_wake(key_id, limits, usage)
 
 

@@ -95,6 +95,10 @@ class SandboxRecord:
     snapshot_bytes: int = 0
     asleep_since: float | None = None  # when it last went SUSPENDED or FAILED from awake
     egress: dict[str, Any] | None = None  # gateway.egress_api's stored form; None: host default
+    # The shape (gateway.resources); 0 in rows made before shapes: the golden's.
+    vcpus: int = 0
+    memory_mib: int = 0
+    disk_mib: int = 0
 
 
 def hash_key(key: str) -> str:
@@ -129,6 +133,10 @@ class Registry:
                 self._db.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {decl}")
         if "egress" not in cols:
             self._db.execute("ALTER TABLE sandboxes ADD COLUMN egress TEXT")
+        for col in ("vcpus", "memory_mib", "disk_mib"):  # per-sandbox shape
+            if col not in cols:
+                self._db.execute(f"ALTER TABLE sandboxes ADD COLUMN {col} INTEGER NOT NULL "
+                                 "DEFAULT 0")
 
     def close(self) -> None:
         self._db.close()

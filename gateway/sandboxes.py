@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
-from gateway import lifetimes, pause, pool, quotas
+from gateway import lifetimes, pause, pool, quotas, resources
 from gateway.config import Config
 from gateway.controller import HoldCounter, SandboxController, Wake, WakePolicy
 from gateway.errors import BadRequest, Conflict, SandboxNotFound, TemplateNotFound, Unavailable
@@ -30,6 +30,7 @@ from gateway.lifecycle import State
 from gateway.metrics import Metrics
 from gateway.registry import Registry, SandboxRecord
 from gateway.egress_api import policy_of
+from gateway.shapes import ShapeGoldens
 from vmctl import network
 from vmctl.backend import Backend
 from vmctl.golden import BUILD_SLOTS, Golden, load_golden_dir
@@ -63,6 +64,7 @@ class SandboxService:
         self.pool = pool.WarmPool(self, size)
         self._expiry_task: asyncio.Task | None = None
         self.run_id: int | None = None  # this daemon's row in daemon_runs (gateway.usage)
+        self.shapes = ShapeGoldens(backend, goldens, self.spawn)
 
     @property
     def sandboxes_dir(self) -> Path:
@@ -84,36 +86,68 @@ class SandboxService:
     async def create(self, tenant: str, template: str | None, metadata: dict[str, Any],
                      idle_timeout: float | None,
                      lifetime: lifetimes.Lifetimes | None = None,
-                     egress: dict[str, Any] | None = None) -> SandboxRecord:
+                     egress: dict[str, Any] | None = None,
+                     shape_request: resources.ShapeRequest | None = None) -> SandboxRecord:
         template = template or self.config.sandbox.default_template
         golden = self.goldens.get(template)
         if golden is None:
             raise TemplateNotFound(f"template {template!r} not found; available: "
                                    f"{', '.join(sorted(self.goldens)) or 'none'}")
+        shape = self.shape_for(tenant, template, shape_request or resources.ShapeRequest())
+        # Checked before a possibly long golden build, and again (synchronously) by _reserve.
+        limits = self.limits(tenant)
+        quotas.check_create(tenant, limits, self._usage(tenant, bool(limits.max_disk_mib)),
+                            self._counted_disk(golden, shape))
         await self.make_room(tenant)
         times = lifetimes.at_create(lifetime or lifetimes.Lifetimes(), self.config.sandbox,
                                     time.time())
-        claimed = await self.pool.claim(tenant, template, metadata, self.config.sandbox.idle_timeout
-                                        if idle_timeout is None else idle_timeout, times)
-        if claimed is not None:
-            # Before the answer, so the tenant's first command already runs under its policy
-            # (until then the guest ran only its agent, under the host default).
-            return claimed if egress is None else await self.set_egress(tenant, claimed.id, egress)
-        rec = self._reserve(tenant, template, golden, metadata, idle_timeout,
+        if shape == resources.Shape(golden.vcpus, golden.mem_mib, golden.disk_mib):
+            # The pool holds the template's default shape only.
+            claimed = await self.pool.claim(tenant, template, metadata,
+                                            self.config.sandbox.idle_timeout
+                                            if idle_timeout is None else idle_timeout, times)
+            if claimed is not None:
+                # Before the answer, so the tenant's first command already runs under its
+                # policy (until then the guest ran only its agent, under the host default).
+                return claimed if egress is None else await self.set_egress(
+                    tenant, claimed.id, egress)
+        golden = await self.shapes.get(template, shape.vcpus, shape.memory_mib)
+        rec = self._reserve(tenant, template, golden, metadata, idle_timeout, shape,
                             {**times, "egress": egress})
         ctl = self.controller(rec)
         # The creation runs detached: a client that disconnects does not leave a half-made VM.
         await ctl.create()
         return ctl.rec
 
+    def shape_for(self, tenant: str, template: str,
+                  request: resources.ShapeRequest) -> resources.Shape:
+        """The shape a create gets (gateway.resources decides; 400/403 if refused)."""
+        golden, cfg, key = self.goldens[template], self.config.resources, self.limits(tenant)
+        default = resources.Shape(golden.vcpus, golden.mem_mib, golden.disk_mib)
+        shape = resources.resolve(request, default, cfg.for_template(template),
+                                  resources.ResourceLimits(key.max_vcpus, key.max_memory_mib,
+                                                           key.max_sandbox_disk_mib),
+                                  cfg.min_memory_mib)
+        if shape.disk_mib > default.disk_mib and self.backend.driver_name == "firecracker":
+            raise BadRequest("this host's VMM (firecracker) cannot grow a sandbox's disk yet",
+                             code="invalid_resources")
+        return shape
+
+    @staticmethod
+    def _counted_disk(golden: Golden, shape: resources.Shape) -> int:
+        """The disk a create counts against max_disk_mib up front: a size asked for."""
+        return shape.disk_mib if shape.disk_mib != golden.disk_mib else 0
+
     def _reserve(self, tenant: str, template: str, golden: Golden, metadata: dict[str, Any],
                  idle_timeout: float | None,
+                 shape: resources.Shape | None = None,
                  extra: dict[str, Any] | None = None) -> SandboxRecord:
         """Pick an id and a network slot and record the sandbox as CREATING (synchronous,
         so two concurrent creates can never take the same slot)."""
         limits = self.limits(tenant)
+        shape = shape or resources.Shape(golden.vcpus, golden.mem_mib, golden.disk_mib)
         quotas.check_create(tenant, limits, self._usage(tenant, measure_disk=bool(
-            limits.max_disk_mib)))
+            limits.max_disk_mib)), self._counted_disk(self.goldens[template], shape))
         used = self.registry.used_slots()
         if len(used) >= self.config.sandbox.max_sandboxes:
             raise Unavailable(f"this host is at its limit of {self.config.sandbox.max_sandboxes} "
@@ -128,7 +162,8 @@ class SandboxService:
             root=str(self.sandboxes_dir / sandbox_id), golden=str(golden.dir),
             idle_timeout=self.config.sandbox.idle_timeout if idle_timeout is None else idle_timeout,
             host=self.registry.host, created_at=now, updated_at=now, last_activity=now,
-            metadata=metadata, **(extra or {}))
+            metadata=metadata, vcpus=shape.vcpus, memory_mib=shape.memory_mib,
+            disk_mib=shape.disk_mib, **(extra or {}))
         self.registry.insert_sandbox(rec)
         return rec
 
@@ -366,7 +401,7 @@ class SandboxService:
     def plan(self, rec: SandboxRecord) -> MachinePlan:
         slot = network.slot_for(rec.slot, rec.id, self.backend.config.network)
         return MachinePlan(vm_id=rec.id, root=Path(rec.root), slot=slot,
-                           golden=self.golden_for(rec),
+                           golden=self.golden_for(rec), disk_mib=rec.disk_mib,
                            egress=policy_of(rec.egress, self.backend.config.network))
 
 

@@ -135,12 +135,12 @@ class Backend:
         return QemuDriver(cgroups=self.cgroups, console_log_bytes=self.config.console_log_bytes)
 
     def confinement(self, slot_host_addr: str, vm_id: str, workdir: Path,
-                    mem_mib: int) -> Confinement | None:
+                    mem_mib: int, vcpus: int | None = None) -> Confinement | None:
         """How the VMM of the VM in the slot at ``slot_host_addr`` runs (None: unconfined)."""
         if not self.confined:
             return None
         return confinement_for(self.config.confine, slot_uid_offset(slot_host_addr), vm_id,
-                               workdir, mem_mib, self.config.vcpus)
+                               workdir, mem_mib, vcpus or self.config.vcpus)
 
     def for_daemon(self, data_dir: Path) -> Backend:
         """This backend with VMM confinement set up for the daemon owning ``data_dir``

@@ -91,6 +91,11 @@ class Driver(abc.ABC):
         dest.mkdir(parents=True, exist_ok=True)
         return await self._snapshot(dest)
 
+    async def resize_disk(self, size_bytes: int) -> None:
+        """Grow the VM's disk to ``size_bytes`` while it runs, telling the guest."""
+        from vmctl.disks import DiskError
+        raise DiskError(f"{self.name}: growing a running VM's disk is not supported")
+
     async def destroy(self) -> None:
         """Stop the VMM for good. Idempotent, safe under cancellation."""
         try:

@@ -3,7 +3,9 @@ new sandbox is a restore (tens of ms) instead of a boot (seconds).
 
 Layout under the template's image directory::
 
-    golden-<driver>-<accel>-<mem>M/
+    golden-<driver>-<accel>[-<vcpus>c]-<mem>M-r<recipe>/   (one per shape; "-<n>c"
+                                                     only when vcpus != 1, so 1-vCPU names
+                                                     are those of before shapes)
         disk.qcow2      QEMU: overlay over the template's read-only rootfs (read-only from now on)
         disk            Firecracker: raw sparse/reflinked copy of the rootfs (read-only from now on)
         memory          guest RAM (QEMU: copied, sparse/reflinked, into each new sandbox;
@@ -57,6 +59,8 @@ class Golden:
     initrd: Path | None
     cmdline: str
     mem_mib: int
+    vcpus: int = 1
+    disk_mib: int = 0  # the virtual size of the golden disk (0: unknown, an old build)
 
 
 # Bumped whenever what goes into a golden snapshot changes (e.g. how it is warmed). A new
@@ -64,20 +68,35 @@ class Golden:
 GOLDEN_RECIPE = 3  # 3: built by a confined VMM (root-owned, read-only files)
 
 
-def golden_dir(image_dir: Path, backend: Backend, mem_mib: int) -> Path:
-    return image_dir / f"golden-{backend.key}-{mem_mib}M-r{GOLDEN_RECIPE}"
+def golden_dir(image_dir: Path, backend: Backend, mem_mib: int, vcpus: int = 1) -> Path:
+    """Where the golden snapshot of one shape lives: a restore needs the vCPU count and
+    RAM size it was saved with, so each (vcpus, mem) pair has its own. The disk size is
+    not part of the name: a sandbox's disk is grown after its restore (Machine)."""
+    cpus = "" if vcpus == 1 else f"-{vcpus}c"
+    return image_dir / f"golden-{backend.key}{cpus}-{mem_mib}M-r{GOLDEN_RECIPE}"
 
 
 async def ensure_golden(image, backend: Backend,  # type: ignore[no-untyped-def]
-                        progress: Callable[[str], None] = print, build_slot: int = 0) -> Golden:
-    """Return the template's golden snapshot, building it first if needed."""
-    final = golden_dir(image.dir, backend, image.mem_mib)
+                        progress: Callable[[str], None] = print, build_slot: int = 0,
+                        mem_mib: int | None = None, vcpus: int | None = None) -> Golden:
+    """Return the template's golden snapshot of a shape (default: the template's RAM and
+    the config's vCPUs), building it first if needed."""
+    mem_mib = mem_mib or image.mem_mib
+    vcpus = vcpus or backend.config.vcpus
+    final = golden_dir(image.dir, backend, mem_mib, vcpus)
     if not (final / store.MANIFEST).is_file():
-        await _build(image, backend, final, progress, build_slot)
+        await _build(image, backend, final, progress, build_slot, mem_mib, vcpus)
     snap, _ = await asyncio.to_thread(store.load, final)
     boot = backend.boot_files(image)
     return Golden(image.name, final, snap, boot.kernel, boot.initrd, boot.cmdline,
-                  image.mem_mib)
+                  mem_mib, vcpus, _size_mib(image.rootfs))
+
+
+def _size_mib(path: Path) -> int:
+    try:
+        return os.stat(path).st_size >> 20
+    except OSError:
+        return 0
 
 
 async def _warm(agent: AgentClient, image) -> None:  # type: ignore[no-untyped-def]
@@ -103,7 +122,9 @@ def load_golden_dir(directory: Path) -> Golden:
                   snapshot=snap, kernel=Path(meta.get("kernel") or image_dir / "vmlinuz"),
                   initrd=Path(initrd) if initrd and Path(initrd).exists() else None,
                   cmdline=meta.get("cmdline") or _image_cmdline(image_dir),
-                  mem_mib=int(meta.get("mem_mib") or _mem_from_name(directory.name)))
+                  mem_mib=int(meta.get("mem_mib") or _mem_from_name(directory.name)),
+                  vcpus=int(meta.get("vcpus") or _vcpus_from_name(directory.name)),
+                  disk_mib=int(meta.get("disk_mib") or 0))
 
 
 def _image_cmdline(image_dir: Path) -> str:
@@ -120,8 +141,14 @@ def _mem_from_name(name: str) -> int:
     return int(match.group(1))
 
 
+def _vcpus_from_name(name: str) -> int:
+    match = re.search(r"-(\d+)c-\d+M(?:-r\d+)?$", name)
+    return int(match.group(1)) if match else 1
+
+
 async def _build(image, backend: Backend, final: Path,  # type: ignore[no-untyped-def]
-                 progress: Callable[[str], None], build_slot: int) -> None:
+                 progress: Callable[[str], None], build_slot: int, mem_mib: int,
+                 vcpus: int) -> None:
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     tmp.mkdir(parents=True)
     vm_id = f"golden-{uuid.uuid4().hex[:8]}"
@@ -132,14 +159,14 @@ async def _build(image, backend: Backend, final: Path,  # type: ignore[no-untype
     started = time.monotonic()
     try:
         disk = await layout.golden_disk(image.rootfs, tmp)
-        confinement = backend.confinement(slot.host_addr, vm_id, tmp / "vm", image.mem_mib)
+        confinement = backend.confinement(slot.host_addr, vm_id, tmp / "vm", mem_mib, vcpus)
         await network.create(slot, cfg, tap_owner=(confinement.uid, confinement.gid)
                              if confinement else None)
         spec = VMSpec(vm_id=vm_id, workdir=tmp / "vm", kernel=boot.kernel, initrd=boot.initrd,
                       cmdline=boot.cmdline, disk=disk, mem_file=layout.memory(tmp),
-                      mem_mib=image.mem_mib, vcpus=backend.config.vcpus, netns=slot.netns,
+                      mem_mib=mem_mib, vcpus=vcpus, netns=slot.netns,
                       accel=backend.accel, confinement=confinement)
-        progress(f"golden[{image.name}]: booting ({backend.key})")
+        progress(f"golden[{image.name}]: booting ({backend.key}, {vcpus} vCPU, {mem_mib} MiB)")
         await driver.boot(spec)
         agent = AgentClient(slot.guest_addr)
         try:
@@ -155,7 +182,8 @@ async def _build(image, backend: Backend, final: Path,  # type: ignore[no-untype
         if backend.confined:
             _give_back_to_root(snap)
         meta = {"template": image.name, "kernel": str(boot.kernel), "cmdline": boot.cmdline,
-                "initrd": str(boot.initrd) if boot.initrd else None, "mem_mib": image.mem_mib}
+                "initrd": str(boot.initrd) if boot.initrd else None, "mem_mib": mem_mib,
+                "vcpus": vcpus, "disk_mib": _size_mib(image.rootfs)}
         await asyncio.to_thread(store.write_manifest, tmp, snap, meta)
         shutil.rmtree(tmp / "vm", ignore_errors=True)
         os.replace(tmp, final)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from guest.protocol import InitRequest
-from vmctl import faults, network, store
+from vmctl import disk_grow, faults, network, store
 from vmctl.agent_client import AgentClient
 from vmctl.backend import Backend
 from vmctl.driver import Driver, kill_pid, pid_alive
@@ -53,6 +53,8 @@ class MachinePlan:
     slot: NetSlot
     golden: Golden
     egress: EgressPolicy | None = None  # None: the host's default
+    # The guest's disk size (0: the golden's). The golden's RAM and vCPUs are the VM's.
+    disk_mib: int = 0
 
 
 class RestoreError(VmctlError):
@@ -95,9 +97,9 @@ class Machine:
         workdir = p.root / "vm"
         return VMSpec(vm_id=p.vm_id, workdir=workdir, kernel=g.kernel, initrd=g.initrd,
                       cmdline=g.cmdline, disk=layout.disk(p.root), mem_file=layout.memory(p.root),
-                      mem_mib=g.mem_mib, vcpus=self.backend.config.vcpus, netns=p.slot.netns,
+                      mem_mib=g.mem_mib, vcpus=g.vcpus, netns=p.slot.netns,
                       accel=self.backend.accel, confinement=self.backend.confinement(
-                          p.slot.host_addr, p.vm_id, workdir, g.mem_mib))
+                          p.slot.host_addr, p.vm_id, workdir, g.mem_mib, g.vcpus))
 
     @property
     def tap_owner(self) -> tuple[int, int] | None:
@@ -120,6 +122,8 @@ class Machine:
             network.create(self.plan.slot, self.backend.config.network,
                            policy=self.plan.egress, tap_owner=self.tap_owner))
         await self._start_from(first)
+        if self.plan.disk_mib > self.plan.golden.disk_mib:
+            await disk_grow.grow(self.require_agent(), self.driver, self.plan.disk_mib)
 
     async def suspend(self) -> None:
         """Snapshot (device state, plus memory and disk as the layout keeps them) and let

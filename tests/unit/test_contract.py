@@ -38,7 +38,8 @@ async def app_client(tmp_path: Path, aiohttp_client):
     config = Config(server=ServerConfig(data_dir=tmp_path), tenancy=TenancyConfig(
         max_sandboxes=3, max_awake=2, max_disk_mib=0, rate=0, address_rate=0))
     registry = Registry(tmp_path / "r.sqlite")
-    golden = SimpleNamespace(template="python", dir=tmp_path / "golden", mem_mib=256)
+    golden = SimpleNamespace(template="python", dir=tmp_path / "golden", mem_mib=256,
+                             vcpus=1, disk_mib=1024)
     backend = SimpleNamespace(config=SimpleNamespace(network=NetworkConfig(
         pool="169.254.64.0/18")), driver_name="qemu", accel=SimpleNamespace(value="tcg"),
         reason="test")

@@ -64,7 +64,8 @@ async def env(tmp_path, aiohttp_client):
     config = Config(server=ServerConfig(data_dir=tmp_path), tenancy=TenancyConfig(
         max_sandboxes=3, max_awake=2, max_disk_mib=0, rate=0, address_rate=0))
     registry = Registry(tmp_path / "r.sqlite")
-    golden = SimpleNamespace(template="python", dir=tmp_path / "golden", mem_mib=256)
+    golden = SimpleNamespace(template="python", dir=tmp_path / "golden", mem_mib=256,
+                             vcpus=1, disk_mib=1024)
     backend = SimpleNamespace(config=SimpleNamespace(network=NetworkConfig(
         pool="169.254.64.0/18")))
     service = FakeService(config, registry, backend, {"python": golden})  # type: ignore[arg-type]

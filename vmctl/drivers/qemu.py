@@ -140,6 +140,10 @@ class QemuDriver(Driver):
         await self._qmp.connect(Path(record.control_socket), timeout=5.0)
         self._start_console()
 
+    async def resize_disk(self, size_bytes: int) -> None:
+        # Raises the qcow2 overlay's virtual size and sends the guest a config change.
+        await self._qmp.execute("block_resize", {"device": "root", "size": size_bytes})
+
     async def _pause(self) -> None:
         await self._qmp.execute("stop")
 

@@ -40,9 +40,11 @@ def _drop_none(**fields: Any) -> dict[str, Any]:
 
 def create_sandbox(template: str | None, idle_timeout: float | None,
                    metadata: dict[str, Any] | None, ttl: float | None = None,
-                   auto_delete_after: float | None = None, egress: Any = None) -> Call:
+                   auto_delete_after: float | None = None, egress: Any = None,
+                   **shape: int | None) -> Call:
+    """``shape``: vcpus, memory_mib, disk_mib (None: the template's)."""
     body = _drop_none(template=template, idle_timeout=idle_timeout, metadata=metadata, ttl=ttl,
-                      auto_delete_after=auto_delete_after, egress=egress)
+                      auto_delete_after=auto_delete_after, egress=egress, **shape)
     return Call("POST", "/v1/sandboxes", json=body)
 
 

@@ -49,13 +49,16 @@ class AsyncAgentBox:
                      metadata: dict[str, Any] | None = None, keep: bool = False,
                      ttl: float | None = None,
                      auto_delete_after: float | None = None,
-                     egress: str | dict[str, Any] | None = None) -> AsyncSandbox:
+                     egress: str | dict[str, Any] | None = None,
+                     vcpus: int | None = None, memory_mib: int | None = None,
+                     disk_mib: int | None = None) -> AsyncSandbox:
         """A new sandbox from ``template`` (alias ``environment``); see
         :meth:`AsyncSandbox.create`. ``ttl``: destroyed that many seconds after create;
         ``auto_delete_after``: destroyed after that many seconds suspended (0 = never;
         default: the server's)."""
         call = _calls.create_sandbox(_common.pick_template(template, environment), idle_timeout,
-                                     metadata, ttl, auto_delete_after, egress)
+                                     metadata, ttl, auto_delete_after, egress, vcpus=vcpus,
+                                     memory_mib=memory_mib, disk_mib=disk_mib)
         info = SandboxInfo.from_dict(await self._transport.json(call))
         return AsyncSandbox(self, info, keep=keep)
 

@@ -69,6 +69,8 @@ class AsyncSandbox:
     async def create(cls, template: str | None = _common.DEFAULT_TEMPLATE, *,
                      environment: str | None = None, idle_timeout: float | None = None,
                      metadata: dict[str, Any] | None = None, keep: bool = False,
+                     vcpus: int | None = None, memory_mib: int | None = None,
+                     disk_mib: int | None = None,
                      api_key: str | None = None, base_url: str | None = None,
                      timeout: float | None = None, ttl: float | None = None,
                      auto_delete_after: float | None = None,
@@ -76,7 +78,10 @@ class AsyncSandbox:
         """Create a sandbox from ``template`` (alias ``environment``). ``idle_timeout``:
         seconds without activity before it is suspended (0 = never; None = the server's
         default). ``keep=True``: leaving a ``with`` block does not kill it. ``egress``:
-        ``"deny_all"``, ``"allow_all"`` or ``{"default", "allow", "deny"}`` (docs/api.md)."""
+        ``"deny_all"``, ``"allow_all"`` or ``{"default", "allow", "deny"}`` (docs/api.md).
+        ``vcpus``, ``memory_mib``, ``disk_mib``: its shape (None = the template's; the
+        server's limits apply, and the first sandbox of a new vCPU/memory shape waits for
+        its snapshot)."""
         from agentbox.async_client import AsyncAgentBox
 
         client = AsyncAgentBox(api_key=api_key, base_url=base_url, timeout=timeout)
@@ -84,7 +89,8 @@ class AsyncSandbox:
             sandbox = await client.create(template, environment=environment,
                                           idle_timeout=idle_timeout, metadata=metadata,
                                           keep=keep, ttl=ttl,
-                                          auto_delete_after=auto_delete_after, egress=egress)
+                                          auto_delete_after=auto_delete_after, egress=egress,
+                                          vcpus=vcpus, memory_mib=memory_mib, disk_mib=disk_mib)
         except BaseException:
             await client.aclose()
             raise

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 import shlex
 import sys
 import time
@@ -49,6 +50,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ttl", type=float, help="seconds until it is destroyed (0 = never)")
     p.add_argument("--auto-delete-after", type=float,
                    help="seconds suspended before it is destroyed (0 = never)")
+    p.add_argument("--vcpus", type=int, help="virtual CPUs (default: the server's)")
+    p.add_argument("--memory", type=size_mib, metavar="SIZE",
+                   help="guest RAM: MiB, or with a unit (512M, 2G); default: the template's")
+    p.add_argument("--disk", type=size_mib, metavar="SIZE",
+                   help="root disk size: MiB, or with a unit (4G); default: the template's")
     _cli_egress.add_rule_options(p)
     _cli_egress.add_commands(cmd, cmd_egress)
     p = cmd("ls", cmd_ls, "list sandboxes (oldest first; filters combine)")
@@ -135,13 +141,22 @@ def _pairs(items: list[str], what: str) -> dict[str, str]:
 
 # -- sandboxes -----------------------------------------------------------------------------
 
+def size_mib(text: str) -> int:
+    """``--memory``/``--disk``: 1024, 512M, 4G, 4GiB -> MiB."""
+    match = re.fullmatch(r"(\d+)\s*(?:([mMgG])(?:i?[bB])?)?", text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size in MiB or with M/G: {text!r}")
+    return int(match.group(1)) * (1024 if (match.group(2) or "m") in "gG" else 1)
+
+
 def cmd_create(args: argparse.Namespace) -> int:
     with _client(args) as box, out.Spinner(f"creating a {args.template} sandbox"):
         start = time.monotonic()
         sandbox = box.create(args.template, idle_timeout=args.idle_timeout,
                              metadata=_pairs(args.metadata, "--metadata") or None, keep=True,
                              ttl=args.ttl, auto_delete_after=args.auto_delete_after,
-                             egress=_cli_egress.policy(args))
+                             egress=_cli_egress.policy(args),
+                             vcpus=args.vcpus, memory_mib=args.memory, disk_mib=args.disk)
     if args.json:
         out.print_json(sandbox.info)
     else:

@@ -216,6 +216,7 @@ _BY_STATUS_CODES = frozenset({
     "not_a_directory",
     "is_a_directory", "bad_session_name", "websocket_required", "http_error", "unauthorized",
     "forbidden", "cross_origin_refused", "port_reserved", "not_found", "key_not_found",
+    "invalid_resources", "resource_limit",
     "conflict", "not_running", "stdin_closed", "context_exists", "session_name_taken",
     "session_not_ready", "suspend_cancelled", "payload_too_large", "too_large",
     "too_many_requests", "too_many_contexts", "too_many_processes", "client_closed", "internal",

@@ -47,6 +47,9 @@ class SandboxInfo:
     delete_at: float | None = None  # asleep: when auto_delete_after ends
     # {"default": "deny"|"allow", "allow": [...], "deny": [...], "source": "sandbox"|"host"}
     egress: dict[str, Any] | None = None
+    vcpus: int | None = None  # the shape (None: a sandbox made before shapes)
+    memory_mib: int | None = None
+    disk_mib: int | None = None
 
     @classmethod
     def from_dict(cls, data: Any) -> SandboxInfo:
@@ -65,11 +68,19 @@ class Template:
     name: str
     mem_mib: int | None = None
     default: bool = False
+    # Default shape and per-sandbox limits (0 = none); None from servers without shapes.
+    vcpus: int | None = None
+    disk_mib: int | None = None
+    max_vcpus: int | None = None
+    max_memory_mib: int | None = None
+    max_disk_mib: int | None = None
 
     @classmethod
     def from_dict(cls, data: Any) -> Template:
         return cls(name=_get(data, "name", "template"), mem_mib=data.get("mem_mib"),
-                   default=bool(data.get("default", False)))
+                   default=bool(data.get("default", False)),
+                   **{k: data.get(k) for k in ("vcpus", "disk_mib", "max_vcpus",
+                                               "max_memory_mib", "max_disk_mib")})
 
 
 @dataclass(frozen=True)

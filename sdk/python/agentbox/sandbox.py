@@ -68,6 +68,8 @@ class Sandbox:
     def create(cls, template: str | None = _common.DEFAULT_TEMPLATE, *,
                environment: str | None = None, idle_timeout: float | None = None,
                metadata: dict[str, Any] | None = None, keep: bool = False,
+               vcpus: int | None = None, memory_mib: int | None = None,
+               disk_mib: int | None = None,
                api_key: str | None = None, base_url: str | None = None,
                timeout: float | None = None, ttl: float | None = None,
                auto_delete_after: float | None = None,
@@ -75,7 +77,10 @@ class Sandbox:
         """Create a sandbox from ``template`` (alias ``environment``). ``idle_timeout``:
         seconds without activity before it is suspended (0 = never; None = the server's
         default). ``keep=True``: leaving a ``with`` block does not kill it. ``egress``:
-        ``"deny_all"``, ``"allow_all"`` or ``{"default", "allow", "deny"}`` (docs/api.md)."""
+        ``"deny_all"``, ``"allow_all"`` or ``{"default", "allow", "deny"}`` (docs/api.md).
+        ``vcpus``, ``memory_mib``, ``disk_mib``: its shape (None = the template's; the
+        server's limits apply, and the first sandbox of a new vCPU/memory shape waits for
+        its snapshot)."""
         from agentbox.client import AgentBox
 
         client = AgentBox(api_key=api_key, base_url=base_url, timeout=timeout)
@@ -83,7 +88,8 @@ class Sandbox:
             sandbox = client.create(template, environment=environment,
                                           idle_timeout=idle_timeout, metadata=metadata,
                                           keep=keep, ttl=ttl,
-                                          auto_delete_after=auto_delete_after, egress=egress)
+                                          auto_delete_after=auto_delete_after, egress=egress,
+                                          vcpus=vcpus, memory_mib=memory_mib, disk_mib=disk_mib)
         except BaseException:
             client.close()
             raise

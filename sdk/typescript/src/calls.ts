@@ -51,9 +51,11 @@ function ports(value: unknown): number[] {
 
 export const createSandbox = (template: string | undefined, idleTimeout: number | undefined,
                               metadata: Record<string, unknown> | undefined, ttl?: number,
-                              autoDeleteAfter?: number): Call =>
+                              autoDeleteAfter?: number,
+                              shape: Record<string, number | undefined> = {}): Call =>
   ({ method: "POST", path: "/v1/sandboxes",
-     json: defined({ template, idle_timeout: idleTimeout, metadata, ttl, auto_delete_after: autoDeleteAfter }) });
+     json: defined({ template, idle_timeout: idleTimeout, metadata, ttl, auto_delete_after: autoDeleteAfter,
+                     ...shape }) });
 
 /** Filters of `GET /v1/sandboxes` (all must match). */
 export interface ListFilters {

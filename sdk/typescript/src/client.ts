@@ -31,6 +31,10 @@ export interface CreateOptions {
   ttl?: number | undefined;
   /** Seconds suspended before it is destroyed (0 = never; default: the server's). */
   autoDeleteAfter?: number | undefined;
+  /** Its shape (default: the template's; the server's limits apply). */
+  vcpus?: number | undefined;
+  memoryMib?: number | undefined;
+  diskMib?: number | undefined;
 }
 
 export interface ListOptions extends calls.ListFilters {
@@ -67,7 +71,8 @@ export class AgentBox {
   /** A new sandbox from `template` (alias `environment`; default "python"). */
   async create(options: CreateOptions = {}): Promise<Sandbox> {
     const call = calls.createSandbox(pickTemplate(options), options.idleTimeout, options.metadata, options.ttl,
-                                     options.autoDeleteAfter);
+                                     options.autoDeleteAfter,
+                                     { vcpus: options.vcpus, memory_mib: options.memoryMib, disk_mib: options.diskMib });
     return new Sandbox(this, parseSandbox(await this._transport.json(call)), { keep: options.keep });
   }
 

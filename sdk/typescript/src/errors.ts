@@ -176,9 +176,10 @@ function codes(cls: ErrorClass, names: string): Array<[string, ErrorClass]> {
 /** Every error code the server documents (docs/api.md, "Error codes"), to its class. */
 export const ERROR_CODES: ReadonlyMap<string, ErrorClass> = new Map<string, ErrorClass>([
   ...codes(InvalidArgumentError, `bad_request bad_json invalid_type invalid_path invalid_cwd invalid_egress
-    not_a_directory is_a_directory bad_session_name websocket_required http_error`),
+    not_a_directory is_a_directory bad_session_name websocket_required http_error
+    invalid_resources`),
   ...codes(AuthenticationError, "missing_api_key invalid_api_key unauthorized"),
-  ...codes(PermissionDeniedError, "forbidden port_reserved cross_origin_refused"),
+  ...codes(PermissionDeniedError, "forbidden port_reserved cross_origin_refused resource_limit"),
   ...codes(SandboxNotFoundError, "sandbox_not_found"),
   ...codes(TemplateNotFoundError, "template_not_found"),
   ...codes(ContextNotFoundError, "context_not_found"),

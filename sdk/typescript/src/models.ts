@@ -57,6 +57,10 @@ export interface SandboxInfo {
   autoDeleteAfter: number;
   /** While asleep: when `autoDeleteAfter` ends. */
   deleteAt: number | null;
+  /** Its shape (null: a sandbox made before shapes). */
+  vcpus: number | null;
+  memoryMib: number | null;
+  diskMib: number | null;
 }
 
 export function parseSandbox(data: unknown): SandboxInfo {
@@ -75,6 +79,7 @@ export function parseSandbox(data: unknown): SandboxInfo {
     previewUrlTemplate: strOrNull(d.preview_url_template),
     expiresAt: numOrNull(d.expires_at), autoDeleteAfter: num(d.auto_delete_after) ?? 0,
     deleteAt: numOrNull(d.delete_at),
+    vcpus: numOrNull(d.vcpus), memoryMib: numOrNull(d.memory_mib), diskMib: numOrNull(d.disk_mib),
   };
 }
 
