@@ -25,10 +25,11 @@ from typing import Any
 from gateway import quotas
 from gateway.config import Config
 from gateway.controller import HoldCounter, SandboxController, Wake, WakePolicy
-from gateway.errors import BadRequest, Conflict, SandboxNotFound, TemplateNotFound, Unavailable
+from gateway.errors import BadRequest, Conflict, SandboxNotFound, Unavailable
 from gateway.lifecycle import State
 from gateway.metrics import Metrics
 from gateway.registry import Registry, SandboxRecord
+from gateway.templates import TemplateCatalog
 from vmctl import network
 from vmctl.backend import Backend
 from vmctl.golden import BUILD_SLOTS, Golden, load_golden_dir
@@ -55,6 +56,8 @@ class SandboxService:
         self._controllers: dict[str, SandboxController] = {}
         self._tasks: set[asyncio.Task] = set()
         self._golden_cache: dict[str, Golden] = {str(g.dir): g for g in goldens.values()}
+        self.templates = TemplateCatalog(registry, config.server.data_dir / "templates", goldens,
+                                         config.sandbox.templates)
         self._idle_task: asyncio.Task | None = None
 
     @property
@@ -77,10 +80,7 @@ class SandboxService:
     async def create(self, tenant: str, template: str | None, metadata: dict[str, Any],
                      idle_timeout: float | None) -> SandboxRecord:
         template = template or self.config.sandbox.default_template
-        golden = self.goldens.get(template)
-        if golden is None:
-            raise TemplateNotFound(f"template {template!r} not found; available: "
-                                   f"{', '.join(sorted(self.goldens)) or 'none'}")
+        golden = self.templates.resolve(tenant, template)
         rec = self._reserve(tenant, template, golden, metadata, idle_timeout)
         ctl = self.controller(rec)
         # The creation runs detached: a client that disconnects does not leave a half-made VM.
@@ -127,6 +127,7 @@ class SandboxService:
         ctl = self.controller(self.get(tenant, sandbox_id))
         await ctl.destroy("deleted by API")
         self.forget(sandbox_id)
+        self.templates.collect()  # a deleted template's files may have waited for this one
 
     def update(self, tenant: str, sandbox_id: str, idle_timeout: float | None,
                metadata: dict[str, Any] | None) -> SandboxRecord:
@@ -191,6 +192,7 @@ class SandboxService:
     def _usage(self, tenant: str, measure_disk: bool = False) -> quotas.Usage:
         recs = self.registry.list(tenant)
         disk = sum(tree_bytes(Path(r.root)) for r in recs) if measure_disk else 0
+        disk += self.templates.disk_bytes(tenant) if measure_disk else 0
         return quotas.usage_of((r.state for r in recs), disk)
 
     def _check_wake(self, tenant: str, ctl: SandboxController) -> None:
@@ -227,6 +229,7 @@ class SandboxService:
             log.warning("task %s failed: %s", task.get_name(), task.exception())
 
     def start(self) -> None:
+        self.templates.collect(startup=True)
         self._idle_task = self.spawn(self._idle_loop(), "idle-loop")
 
     async def aclose(self, timeout: float = 15.0) -> None:
