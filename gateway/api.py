@@ -72,12 +72,7 @@ async def healthz(request: web.Request) -> web.Response:
                           "templates": sorted(svc.goldens)})
 
 
-@routes.get("/v1/templates")
-async def list_templates(request: web.Request) -> web.Response:
-    svc = _service(request)
-    return json_response({"templates": [
-        {"name": g.template, "mem_mib": g.mem_mib, "default": g.template ==
-         svc.config.sandbox.default_template} for g in svc.goldens.values()]})
+# /v1/templates and /snapshot, /fork: gateway/api_templates.py
 
 
 @routes.post("/v1/sandboxes")

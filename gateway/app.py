@@ -15,7 +15,17 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import api, api_interp, api_keys, at_rest, metrics, openapi, preview, terminal
+from gateway import (
+    api,
+    api_interp,
+    api_keys,
+    api_templates,
+    at_rest,
+    metrics,
+    openapi,
+    preview,
+    terminal,
+)
 from gateway.config import Config
 from gateway.middleware import (
     REGISTRY_KEY,
@@ -102,6 +112,7 @@ def build_app(config: Config) -> web.Application:
     app[terminal.MAX_WS_KEY] = config.server.max_ws_message_bytes
     app.add_routes(api.routes)
     app.add_routes(api_interp.routes)
+    app.add_routes(api_templates.routes)
     app.add_routes(api_keys.routes)
     app.add_routes(metrics.routes)
     app.add_routes(terminal.routes)

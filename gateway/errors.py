@@ -120,7 +120,6 @@ ERROR_CODES: dict[str, str] = {
     "session_name_taken": "another key's session has that name",
     "template_exists": "the key has a template of that name, or it is a built-in's",
     "template_builtin": "built-in templates cannot be deleted",
-    "snapshot_unsupported": "this host's VMM cannot snapshot a running sandbox into a template",
     "session_not_ready": "the session's sandbox is not ready yet",
     "suspend_cancelled": "a request arrived while suspending; the sandbox stays up",
     "quota_exceeded": "a key's quota (max_sandboxes, max_awake, max_disk_mib)",

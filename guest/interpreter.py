@@ -48,6 +48,7 @@ from guest.protocol import (
     CreateContextRequest,
     Execution,
     ExecutionError,
+    OutputFile,
     RunCodeRequest,
 )
 
@@ -449,7 +450,7 @@ class ExecutionCollector:
         return Execution("".join(self.out["stdout"]), "".join(self.out["stderr"]),
                          self.results, self.error, self.end.get("execution_count", 0),
                          self.end.get("duration_ms", 0.0), self.truncated,
-                         self.end.get("files", []))
+                         OutputFile.list_from(self.end.get("files", [])))
 
 
 class Interpreter:
@@ -500,7 +501,7 @@ class Interpreter:
         async def emit_with_files(event: dict[str, Any]) -> None:
             if event.get("type") == "end":  # the run is over: list what it wrote
                 after = await asyncio.to_thread(outputs.scan, self.output_dir)
-                event = {**event, "files": outputs.changed(before, after)}
+                event = {**event, "files": [f.to_dict() for f in outputs.changed(before, after)]}
             await emit(event)
 
         await ctx.run(req, emit_with_files)

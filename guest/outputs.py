@@ -15,7 +15,8 @@ nothing but their own run's listing. Symlinks are not followed. PID 1
 from __future__ import annotations
 
 import os
-from typing import Any
+
+from guest.protocol import OutputFile
 
 OUTPUT_DIR = "/output"
 MAX_SCAN = 10_000
@@ -52,7 +53,7 @@ def scan(root: str = OUTPUT_DIR) -> Snapshot:
     return found
 
 
-def changed(before: Snapshot, after: Snapshot) -> list[dict[str, Any]]:
-    """Files new or modified between two scans, as ``{"path", "size"}`` (bounded, sorted)."""
+def changed(before: Snapshot, after: Snapshot) -> list[OutputFile]:
+    """Files new or modified between two scans (bounded, sorted by path)."""
     paths = sorted(p for p, meta in after.items() if before.get(p) != meta)
-    return [{"path": p, "size": after[p][0]} for p in paths[:MAX_FILES]]
+    return [OutputFile(p, after[p][0]) for p in paths[:MAX_FILES]]

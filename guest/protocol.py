@@ -170,6 +170,27 @@ class ExecRequest:
 
 
 @dataclass(frozen=True)
+class OutputFile:
+    """A file under /output/ that a run created or changed (guest/outputs.py)."""
+
+    path: str
+    size: int
+
+    @classmethod
+    def from_dict(cls, data: object) -> OutputFile:
+        return _from_dict(cls, data)
+
+    @classmethod
+    def list_from(cls, data: object) -> list[OutputFile]:
+        if not isinstance(data, list):
+            raise ProtocolError("'files' must be a list")
+        return [f if isinstance(f, OutputFile) else cls.from_dict(f) for f in data]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class ExecResult:
     stdout: str
     stderr: str
@@ -177,11 +198,13 @@ class ExecResult:
     duration_ms: float
     timed_out: bool = False
     truncated: bool = False
-    # Files the run created or changed under /output/: [{"path", "size"}] (guest/outputs.py).
-    files: list[dict[str, Any]] = field(default_factory=list)
+    # Files the run created or changed under /output/ (guest/outputs.py).
+    files: list[OutputFile] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: object) -> ExecResult:
+        if isinstance(data, dict) and "files" in data:
+            data = {**data, "files": OutputFile.list_from(data["files"])}
         return _from_dict(cls, data)
 
     def to_dict(self) -> dict[str, Any]:
@@ -400,7 +423,7 @@ class Execution:
     execution_count: int
     duration_ms: float
     truncated: bool = False  # stdout or stderr passed MAX_OUTPUT_BYTES
-    files: list[dict[str, Any]] = field(default_factory=list)  # as ExecResult.files
+    files: list[OutputFile] = field(default_factory=list)  # as ExecResult.files
 
     @classmethod
     def from_dict(cls, data: object) -> Execution:
@@ -408,6 +431,8 @@ class Execution:
             raise ProtocolError("Execution must be a JSON object")
         err = data.get("error")
         data = {**data, "error": None if err is None else ExecutionError.from_dict(err)}
+        if "files" in data:
+            data["files"] = OutputFile.list_from(data["files"])
         return _from_dict(cls, data)
 
     def to_dict(self) -> dict[str, Any]:

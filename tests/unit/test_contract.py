@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 
 from agentbox import models
-from gateway import api, api_keys, info, openapi
+from gateway import api, api_keys, api_templates, info, openapi
 from gateway.config import Config, ServerConfig
 from gateway.middleware import (REGISTRY_KEY, api_error_middleware, auth_middleware,
                                 error_middleware)
@@ -51,7 +51,8 @@ async def app_client(tmp_path: Path, aiohttp_client):
     app[LIMITER_KEY] = RateLimiter(config.tenancy)
     app[ACCESS_KEY] = AccessStore(registry)
     app[info.SERVER_KEY] = config.server
-    for routes in (api.routes, api_keys.routes, info.routes, openapi.routes):
+    for routes in (api.routes, api_templates.routes, api_keys.routes, info.routes,
+                   openapi.routes):
         app.add_routes(routes)
     _, admin = registry.create_key("admin", admin=True)
     client = await aiohttp_client(app)

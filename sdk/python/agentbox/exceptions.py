@@ -224,7 +224,7 @@ _BY_STATUS_CODES = frozenset({
     "image_error", "disk_error", "network_error", "context_start_failed", "forward_failed",
     "port_not_listening", "port_closed", "bad_gateway", "upstream_timeout", "hold_queue_full",
     "sandbox_limit", "unavailable", "bad_template_name", "template_exists", "template_builtin",
-    "snapshot_unsupported", "template_building",
+    "template_building",
 })
 
 _BY_STATUS: dict[int, type[AgentBoxError]] = {

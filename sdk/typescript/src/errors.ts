@@ -188,7 +188,7 @@ export const ERROR_CODES: ReadonlyMap<string, ErrorClass> = new Map<string, Erro
   ...codes(NotFoundError, "session_not_ready key_not_found not_found port_not_listening"),
   ...codes(EndpointNotFoundError, "no_route method_not_allowed"),
   ...codes(ConflictError, `conflict not_running suspend_cancelled stdin_closed context_exists
-    session_name_taken template_exists template_builtin snapshot_unsupported`),
+    session_name_taken template_exists template_builtin`),
   ...codes(QuotaExceededError, "quota_exceeded"),
   ...codes(PayloadTooLargeError, "payload_too_large too_large"),
   ...codes(RateLimitError, "rate_limited too_many_contexts too_many_processes too_many_requests"),
