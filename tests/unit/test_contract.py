@@ -98,6 +98,16 @@ async def test_error_answers_carry_registered_codes(app_client):
     await call(c, "PATCH", "/v1/sandboxes/{id}", 404, "/v1/sandboxes/nope", json={})
     await call(c, "POST", "/v1/keys", 400, json={"name": 5})
     await call(c, "GET", "/v1/sandboxes", 401, headers={"Authorization": "Bearer wrong"})
+    await call(c, "GET", "/v1/templates/{name}", 200, "/v1/templates/python")
+    await call(c, "GET", "/v1/templates/{name}", 404, "/v1/templates/nope")
+    await call(c, "DELETE", "/v1/templates/{name}", 409, "/v1/templates/python")
+    await call(c, "DELETE", "/v1/templates/{name}", 404, "/v1/templates/nope")
+    await call(c, "POST", "/v1/sandboxes/{id}/snapshot", 400, "/v1/sandboxes/x/snapshot",
+               json={"template": "Bad!"})
+    await call(c, "POST", "/v1/sandboxes/{id}/snapshot", 409, "/v1/sandboxes/x/snapshot",
+               json={"template": "python"})
+    await call(c, "POST", "/v1/sandboxes/{id}/fork", 400, "/v1/sandboxes/x/fork",
+               json={"count": 99})
 
 
 async def test_an_undocumented_field_in_an_answer_fails(app_client, monkeypatch):
