@@ -140,6 +140,17 @@ def test_snapshot_template_fork_and_delete(daemon, api, source):
     assert list((daemon.data_dir / "templates").iterdir()) == []  # the fork's snapshot went
 
 
+def test_a_sleeping_sandbox_is_woken_and_snapshotted(daemon, api, source):
+    assert api.post(f"/v1/sandboxes/{source}/suspend").json()["state"] == "suspended"
+    r = api.post(f"/v1/sandboxes/{source}/snapshot", json={"template": "e2e-sleep"},
+                 timeout=SLOW)
+    assert r.status_code == 201, r.text
+    assert api.get(f"/v1/sandboxes/{source}").json()["state"] == "running"
+    _has_all_three(api, source)
+    assert api.delete("/v1/templates/e2e-sleep").status_code == 204
+    assert list((daemon.data_dir / "templates").iterdir()) == []  # nothing used it
+
+
 def test_bad_requests(api, source):
     for body, code in (({"template": "Bad Name"}, "bad_template_name"), ({}, "bad_template_name"),
                        ({"template": "x", "y": 1}, "bad_request")):
