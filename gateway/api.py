@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway import lifetimes, listing
 from gateway.errors import BadRequest, Forbidden, NotFound, PayloadTooLarge
 from gateway.middleware import current_key
 from gateway.preview_auth import ACCESS_KEY, preview_view, validate_public_ports
@@ -45,7 +46,7 @@ def sandbox_view(rec: SandboxRecord) -> dict[str, Any]:
         "last_activity": rec.last_activity, "suspend_count": rec.suspend_count,
         "restore_count": rec.restore_count, "last_suspend_ms": rec.last_suspend_ms,
         "last_restore_ms": rec.last_restore_ms, "failure": rec.failure,
-    }
+    } | lifetimes.view(rec)
 
 
 def _service(request: web.Request) -> SandboxService:
@@ -77,15 +78,18 @@ async def healthz(request: web.Request) -> web.Response:
 
 @routes.post("/v1/sandboxes")
 async def create_sandbox(request: web.Request) -> web.Response:
-    template, metadata, idle = validate_create(await read_json(request))
-    rec = await _service(request).create(current_key(request).id, template, metadata, idle)
+    body = await read_json(request)
+    template, metadata, idle = validate_create(body)
+    rec = await _service(request).create(current_key(request).id, template, metadata, idle,
+                                         lifetimes.parse(body))
     return json_response(sandbox_view(rec), status=201)
 
 
 @routes.get("/v1/sandboxes")
 async def list_sandboxes(request: web.Request) -> web.Response:
-    recs = _service(request).list(_tenant(request))
-    return json_response({"sandboxes": [sandbox_view(r) for r in recs]})
+    query = listing.parse_query(request.query)
+    page, cursor = listing.select(_service(request).list(_tenant(request)), query)
+    return json_response({"sandboxes": [sandbox_view(r) for r in page], "next_cursor": cursor})
 
 
 @routes.get("/v1/sandboxes/{id}")
@@ -106,7 +110,7 @@ async def update_sandbox(request: web.Request) -> web.Response:
     idle, metadata = validate_update(body)
     ports = validate_public_ports(body["public_ports"]) if "public_ports" in body else None
     rec = _service(request).update(current_key(request).id, request.match_info["id"], idle,
-                                   metadata)
+                                   metadata, lifetimes.parse(body))
     if ports is not None:
         request.config_dict[ACCESS_KEY].set_public_ports(rec.id, ports)
     return json_response(sandbox_view(rec) | preview_view(request, rec.id))

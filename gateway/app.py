@@ -26,6 +26,7 @@ from gateway import (
     preview,
     terminal,
 )
+from gateway import api_controls
 from gateway.config import Config
 from gateway.middleware import (
     REGISTRY_KEY,
@@ -113,6 +114,7 @@ def build_app(config: Config) -> web.Application:
     app.add_routes(api.routes)
     app.add_routes(api_interp.routes)
     app.add_routes(api_templates.routes)
+    app.add_routes(api_controls.routes)
     app.add_routes(api_keys.routes)
     app.add_routes(metrics.routes)
     app.add_routes(terminal.routes)

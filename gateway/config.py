@@ -84,9 +84,17 @@ class SandboxConfig:
     default_template: str = "python"
     idle_timeout: float = 60.0
     max_sandboxes: int = 256
+    # Lifetimes (gateway.lifetimes): defaults for sandboxes created without them; 0 = never.
+    ttl: float = 0.0  # destroy this many seconds after create
+    auto_delete_after: float = 0.0  # destroy after this many seconds suspended (or failed)
+    max_ttl: float = 0.0  # the longest ttl a request may ask for; 0 = no limit
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "templates", tuple(self.templates))
+        if min(self.ttl, self.auto_delete_after, self.max_ttl) < 0:
+            raise ValueError("ttl, auto_delete_after and max_ttl must be >= 0 (0 = never)")
+        if self.max_ttl and self.ttl > self.max_ttl:
+            raise ValueError("ttl must not exceed max_ttl")
         if self.default_template not in self.templates:
             raise ValueError(f"default_template {self.default_template!r} is not in templates")
         if self.idle_timeout < 0:

@@ -70,6 +70,8 @@ async def metrics(request: web.Request) -> web.Response:
 
     svc = request.app[SERVICE_KEY]
     states = Counter(r.state.value for r in svc.registry.list())
-    text = svc.metrics.render(states, svc.holds.held)
+    from gateway.api_controls import prometheus_lines
+
+    text = svc.metrics.render(states, svc.holds.held) + "\n".join(prometheus_lines(svc)) + "\n"
     return web.Response(text=text, content_type="text/plain", charset="utf-8",
                         headers={"X-Content-Type-Options": "nosniff"})

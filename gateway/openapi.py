@@ -106,6 +106,11 @@ def _gateway_schemas() -> dict[str, Any]:
         "created_at": _NUM, "updated_at": _NUM, "last_activity": _NUM,
         "suspend_count": _INT, "restore_count": _INT, "last_suspend_ms": _NNUM,
         "last_restore_ms": _NNUM, "failure": _NSTR,
+        # lifetimes (gateway.lifetimes)
+        "expires_at": {"type": ["number", "null"], "description": "Unix time its ttl ends"},
+        "auto_delete_after": _NUM,
+        "delete_at": {"type": ["number", "null"],
+                      "description": "suspended/failed: Unix time auto_delete_after ends"},
         # the owner's view (create, get, update; not list): gateway.preview_auth.preview_view
         "preview_token": _STR, "public_ports": {"type": "array", "items": _INT},
         "preview_url_template": _STR},
@@ -131,13 +136,18 @@ def _gateway_schemas() -> dict[str, Any]:
                                      "x-descriptions says what each means",
                       "x-descriptions": dict(sorted(ERROR_CODES.items()))},
         "Sandbox": sandbox,
-        "SandboxList": _list_of("sandboxes", "Sandbox"),
+        "SandboxList": {**_list_of("sandboxes", "Sandbox"), "properties": {
+            **_list_of("sandboxes", "Sandbox")["properties"],
+            "next_cursor": {"type": ["string", "null"],
+                            "description": "pass as ?cursor= for the next page; null: last"}}},
+        **_controls_schemas(),
         "CreateSandboxRequest": _obj({
             "template": {"type": "string", "description": "default: the server's default"},
             "environment": {"type": "string", "description": "alias of template"},
-            "metadata": _METADATA, "idle_timeout": _IDLE}, additionalProperties=False),
+            "metadata": _METADATA, "idle_timeout": _IDLE, **_LIFETIMES},
+            additionalProperties=False),
         "UpdateSandboxRequest": _obj({
-            "metadata": _METADATA, "idle_timeout": _IDLE,
+            "metadata": _METADATA, "idle_timeout": _IDLE, **_LIFETIMES,
             "public_ports": {"type": "array", "items": _INT,
                              "description": "ports served without the preview token "
                                             "(replaces the list)"}},
@@ -198,6 +208,43 @@ def _gateway_schemas() -> dict[str, Any]:
         "ProcessList": _list_of("commands", "ProcessInfo"),
         "OutputEvent": output_event,
         "RunEvent": run_event,
+    }
+
+
+_LIFETIMES = {
+    "ttl": {"type": "number", "minimum": 0, "description": "destroy this many seconds after "
+            "create (PATCH: from now); 0 = never; default: the server's [sandbox] ttl"},
+    "auto_delete_after": {"type": "number", "minimum": 0, "description": "destroy after this "
+                          "many seconds suspended or failed; 0 = never"}}
+
+
+def _controls_schemas() -> dict[str, Any]:
+    """Usage, per-sandbox metrics and logs (gateway.usage, gateway.api_controls)."""
+    figures = {"awake_seconds": _NUM, "vcpu_seconds": _NUM, "gib_seconds": _NUM,
+               "suspended_seconds": _NUM, "snapshot_gib_hours": _NUM, "restores": _INT,
+               "created": _INT, "destroyed": _INT}
+    return {
+        "SandboxUsage": _obj({"sandbox_id": _STR, "key": _STR, **figures},
+                             ("sandbox_id", "key", *figures)),
+        "KeyUsage": _obj({"key": _STR, **figures, "sandboxes": {
+            "type": "array", "items": _ref("SandboxUsage")}}, ("key", *figures, "sandboxes")),
+        "Usage": _obj({"from": _NUM, "to": _NUM, "keys": {"type": "array",
+                                                          "items": _ref("KeyUsage")}},
+                      ("from", "to", "keys")),
+        "SandboxMetrics": _obj({
+            "sandbox_id": _STR, "state": _STR, "vmm_pid": {"type": ["integer", "null"]},
+            "source": {"type": ["string", "null"], "enum": ["cgroup", "proc", None],
+                       "description": "where cpu/memory come from; null: no VM running"},
+            "cpu_seconds": _NNUM, "memory_bytes": {"type": ["integer", "null"]},
+            "rss_bytes": {"type": ["integer", "null"]}, "disk_bytes": _INT,
+            "snapshot_bytes": _INT, "at": _NUM},
+            ("sandbox_id", "state", "disk_bytes", "at")),
+        "SandboxEvent": _obj({"at": _NUM, "from": _NSTR, "to": _STR, "event": _STR,
+                              "cause": _STR}, ("at", "to", "event")),
+        "SandboxLogs": _obj({"sandbox_id": _STR, "console": {"type": "array", "items": _STR},
+                             "truncated": _BOOL, "events": {"type": "array",
+                                                            "items": _ref("SandboxEvent")}},
+                            ("sandbox_id", "console", "events")),
     }
 
 
@@ -299,6 +346,13 @@ _ANY_METHODS = ("GET", "PUT", "POST", "DELETE", "PATCH", "HEAD", "OPTIONS")
 NOT_API_ROUTES = frozenset({("*", "/{tail}")})
 _TENANT = ("tenant", "admin key only: another key's id (e.g. a revoked key's sandboxes)",
            {"type": "string"})
+_LIST_QUERY = (
+    ("state", "one or more states, comma-separated", {"type": "string"}),
+    ("template", "template name", {"type": "string"}),
+    ("metadata.{KEY}", "a metadata value to match (metadata.user=alice)", {"type": "string"}),
+    ("limit", "page size (default 100, max 1000)", {"type": "integer", "minimum": 1,
+                                                     "maximum": 1000}),
+    ("cursor", "next_cursor of the previous page", {"type": "string"}))
 _NDJSON_NOTE = ("Streams NDJSON; a stream that ends without its final line was cut short.")
 
 OPS: tuple[Op, ...] = (
@@ -329,10 +383,27 @@ OPS: tuple[Op, ...] = (
     Op("POST", "/v1/sandboxes", "Create a sandbox", "sandboxes", 201, "CreateSandboxRequest",
        "Sandbox", (400, 404, 409, 502, 503, 504)),
     Op("GET", "/v1/sandboxes", "List the key's sandboxes", "sandboxes", returns="SandboxList",
-       errors=(403,), query=(_TENANT,)),
+       errors=(400, 403), query=(_TENANT, *_LIST_QUERY),
+       description="Filters combine (all must match); ordered by created_at, then id. Any "
+                   "number of metadata.KEY=VALUE filters (a non-string value matches its "
+                   "JSON text)."),
+    Op("GET", "/v1/usage", "Usage metering of the key (admin: ?key=ID or ?key=* for all)",
+       "usage", returns="Usage", errors=(400, 403), query=(
+           ("from", "Unix time (default 0)", {"type": "number"}),
+           ("to", "Unix time (default now)", {"type": "number"}),
+           ("key", "admin key only: another key's id, or * for every key",
+            {"type": "string"}))),
+    Op("GET", _SB + "/metrics", "A sandbox's CPU, memory (its VMM) and disk use", "sandboxes",
+       returns="SandboxMetrics", errors=(403, 404), query=(_TENANT,),
+       description="Read on the host; does not wake a suspended sandbox."),
+    Op("GET", _SB + "/logs", "A sandbox's console log tail and its state transitions",
+       "sandboxes", returns="SandboxLogs", errors=(400, 403, 404), query=(
+           _TENANT, ("tail", "lines of console (default 200, max 10000); also bounds events",
+                     {"type": "integer", "minimum": 0, "maximum": 10000})),
+       description="Read on the host; does not wake a suspended sandbox."),
     Op("GET", _SB, "Get a sandbox", "sandboxes", returns="Sandbox", errors=(403, 404),
        query=(_TENANT,)),
-    Op("PATCH", _SB, "Change a sandbox's idle timeout or metadata", "sandboxes",
+    Op("PATCH", _SB, "Change a sandbox's idle timeout, metadata or lifetimes", "sandboxes",
        body="UpdateSandboxRequest", returns="Sandbox", errors=(400, 404)),
     Op("DELETE", _SB, "Delete a sandbox", "sandboxes", 204, errors=(403, 404),
        query=(_TENANT,)),

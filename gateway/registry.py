@@ -55,7 +55,10 @@ CREATE TABLE IF NOT EXISTS templates (
   source TEXT NOT NULL, state TEXT NOT NULL, created_at REAL NOT NULL,
   parent TEXT, base TEXT, size_bytes INTEGER NOT NULL DEFAULT 0, meta TEXT NOT NULL DEFAULT '{}');
 CREATE INDEX IF NOT EXISTS templates_tenant ON templates(tenant, name);
+CREATE TABLE IF NOT EXISTS daemon_runs (
+  id INTEGER PRIMARY KEY AUTOINCREMENT, started_at REAL NOT NULL, heartbeat REAL NOT NULL);
 """
+_ASLEEP = (State.SUSPENDED, State.FAILED)
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,12 @@ class SandboxRecord:
     last_suspend_ms: float | None = None
     last_restore_ms: float | None = None
     failure: str | None = None
+    # Lifetimes (gateway.lifetimes): absolute TTL deadline, seconds asleep before deletion
+    # (0 = never), and the bytes of the last snapshot on disk (gateway.usage).
+    expires_at: float | None = None
+    auto_delete_after: float = 0.0
+    snapshot_bytes: int = 0
+    asleep_since: float | None = None  # when it last went SUSPENDED or FAILED from awake
 
 
 def hash_key(key: str) -> str:
@@ -115,6 +124,13 @@ class Registry:
         cols = {r["name"] for r in self._db.execute("PRAGMA table_info(api_keys)")}
         if "limits" not in cols:
             self._db.execute("ALTER TABLE api_keys ADD COLUMN limits TEXT NOT NULL DEFAULT '{}'")
+        cols = {r["name"] for r in self._db.execute("PRAGMA table_info(sandboxes)")}
+        for name, decl in (("expires_at", "REAL"),
+                           ("auto_delete_after", "REAL NOT NULL DEFAULT 0"),
+                           ("snapshot_bytes", "INTEGER NOT NULL DEFAULT 0"),
+                           ("asleep_since", "REAL")):
+            if name not in cols:
+                self._db.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {decl}")
 
     def close(self) -> None:
         self._db.close()
@@ -195,6 +211,8 @@ class Registry:
             if rec is None:
                 raise KeyError(sandbox_id)
             new = next_state(rec.state, event)
+            if new in _ASLEEP and rec.state not in _ASLEEP:  # gateway.lifetimes counts from it
+                updates.setdefault("asleep_since", time.time())
             self._update(sandbox_id, state=new, **updates)
             self._log(sandbox_id, rec.state, new, event.value, cause)
         out = self.get(sandbox_id)
@@ -209,6 +227,34 @@ class Registry:
         rows = self._db.execute("SELECT * FROM transitions WHERE sandbox_id = ? ORDER BY seq",
                                 (sandbox_id,))
         return [dict(r) for r in rows]
+
+    def tenant_transitions(self, tenant: str | None) -> list[dict[str, Any]]:
+        """Every transition of a key's sandboxes (all keys' for None), with the tenant,
+        in order per sandbox (gateway.usage)."""
+        sql = ("SELECT t.sandbox_id, t.from_state, t.to_state, t.event, t.at, s.tenant "
+               "FROM transitions t JOIN sandboxes s ON s.id = t.sandbox_id")
+        args: list[Any] = []
+        if tenant is not None:
+            sql, args = sql + " WHERE s.tenant = ?", [tenant]
+        return [dict(r) for r in self._db.execute(sql + " ORDER BY t.sandbox_id, t.seq", args)]
+
+    # -- daemon runs: when a daemon was up (gateway.usage closes a crash's intervals) --
+
+    def start_run(self) -> int:
+        now = time.time()
+        cur = self._db.execute("INSERT INTO daemon_runs (started_at, heartbeat) VALUES (?, ?)",
+                               (now, now))
+        assert cur.lastrowid is not None
+        return cur.lastrowid
+
+    def heartbeat(self, run_id: int) -> None:
+        self._db.execute("UPDATE daemon_runs SET heartbeat = ? WHERE id = ?",
+                         (time.time(), run_id))
+
+    def downtimes(self) -> list[tuple[float, float]]:
+        """(last heartbeat of a run, start of the next) for each gap between daemon runs."""
+        rows = list(self._db.execute("SELECT started_at, heartbeat FROM daemon_runs ORDER BY id"))
+        return [(a["heartbeat"], b["started_at"]) for a, b in zip(rows, rows[1:], strict=False)]
 
     # -- preview access (gateway/preview_auth.py) and sessions (gateway/sessions.py) --
 

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
-from gateway import quotas
+from gateway import lifetimes, quotas
 from gateway.config import Config
 from gateway.controller import HoldCounter, SandboxController, Wake, WakePolicy
 from gateway.errors import BadRequest, Conflict, SandboxNotFound, Unavailable
@@ -59,6 +59,8 @@ class SandboxService:
         self.templates = TemplateCatalog(registry, config.server.data_dir / "templates", goldens,
                                          config.sandbox.templates)
         self._idle_task: asyncio.Task | None = None
+        self._expiry_task: asyncio.Task | None = None
+        self.run_id: int | None = None  # this daemon's row in daemon_runs (gateway.usage)
 
     @property
     def sandboxes_dir(self) -> Path:
@@ -78,17 +80,21 @@ class SandboxService:
     # -- create / destroy / update ---------------------------------------------------
 
     async def create(self, tenant: str, template: str | None, metadata: dict[str, Any],
-                     idle_timeout: float | None) -> SandboxRecord:
+                     idle_timeout: float | None,
+                     lifetime: lifetimes.Lifetimes | None = None) -> SandboxRecord:
         template = template or self.config.sandbox.default_template
         golden = self.templates.resolve(tenant, template)
-        rec = self._reserve(tenant, template, golden, metadata, idle_timeout)
+        times = lifetimes.at_create(lifetime or lifetimes.Lifetimes(), self.config.sandbox,
+                                    time.time())
+        rec = self._reserve(tenant, template, golden, metadata, idle_timeout, times)
         ctl = self.controller(rec)
         # The creation runs detached: a client that disconnects does not leave a half-made VM.
         await ctl.create()
         return ctl.rec
 
     def _reserve(self, tenant: str, template: str, golden: Golden, metadata: dict[str, Any],
-                 idle_timeout: float | None) -> SandboxRecord:
+                 idle_timeout: float | None,
+                 extra: dict[str, Any] | None = None) -> SandboxRecord:
         """Pick an id and a network slot and record the sandbox as CREATING (synchronous,
         so two concurrent creates can never take the same slot)."""
         limits = self.limits(tenant)
@@ -108,7 +114,7 @@ class SandboxService:
             root=str(self.sandboxes_dir / sandbox_id), golden=str(golden.dir),
             idle_timeout=self.config.sandbox.idle_timeout if idle_timeout is None else idle_timeout,
             host=self.registry.host, created_at=now, updated_at=now, last_activity=now,
-            metadata=metadata)
+            metadata=metadata, **(extra or {}))
         self.registry.insert_sandbox(rec)
         return rec
 
@@ -130,9 +136,11 @@ class SandboxService:
         self.templates.collect()  # a deleted template's files may have waited for this one
 
     def update(self, tenant: str, sandbox_id: str, idle_timeout: float | None,
-               metadata: dict[str, Any] | None) -> SandboxRecord:
+               metadata: dict[str, Any] | None,
+               lifetime: lifetimes.Lifetimes | None = None) -> SandboxRecord:
         rec = self.get(tenant, sandbox_id)
-        changes: dict[str, Any] = {}
+        changes: dict[str, Any] = lifetimes.at_update(lifetime or lifetimes.Lifetimes(),
+                                                      self.config.sandbox, time.time())
         if idle_timeout is not None:
             changes["idle_timeout"] = idle_timeout
         if metadata is not None:
@@ -231,12 +239,16 @@ class SandboxService:
     def start(self) -> None:
         self.templates.collect(startup=True)
         self._idle_task = self.spawn(self._idle_loop(), "idle-loop")
+        self.run_id = self.registry.start_run()  # after recovery: its transitions are before
+        self._expiry_task = self.spawn(lifetimes.expiry_loop(self), "expiry-loop")
 
     async def aclose(self, timeout: float = 15.0) -> None:
         """Stop background work; VMMs keep running for the next daemon to adopt."""
-        if self._idle_task is not None:
-            self._idle_task.cancel()
-        ops = [t for t in self._tasks if t is not self._idle_task]
+        loops = (self._idle_task, self._expiry_task)
+        for loop in loops:
+            if loop is not None:
+                loop.cancel()
+        ops = [t for t in self._tasks if t not in loops]
         if ops:
             _, pending = await asyncio.wait(ops, timeout=timeout)
             for task in pending:
@@ -320,7 +332,8 @@ def parse_object(body: Any, allowed: set[str]) -> dict[str, Any]:
 
 
 def validate_create(body: Any) -> tuple[str | None, dict[str, Any], float | None]:
-    body = parse_object(body, {"template", "environment", "metadata", "idle_timeout"})
+    body = parse_object(body, {"template", "environment", "metadata", "idle_timeout",
+                               *lifetimes.FIELDS})
     template = body.get("template", body.get("environment"))
     if template is not None and (not isinstance(template, str) or not template):
         raise BadRequest("'template' must be a non-empty string")
@@ -330,6 +343,6 @@ def validate_create(body: Any) -> tuple[str | None, dict[str, Any], float | None
 
 def validate_update(body: Any) -> tuple[float | None, dict[str, Any] | None]:
     # "public_ports" is validated and applied by gateway.preview_auth.
-    body = parse_object(body, {"metadata", "idle_timeout", "public_ports"})
+    body = parse_object(body, {"metadata", "idle_timeout", "public_ports", *lifetimes.FIELDS})
     idle = parse_seconds(body.get("idle_timeout"), "idle_timeout")
     return idle, parse_metadata(body.get("metadata"))

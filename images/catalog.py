@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from images.hostclock import clock_args
-from images.inputs import resolve_inputs
+from images.hashing import files_digest, snapshot_files
+from images.inputs import GUEST_DIR, resolve_inputs
 from images.manifest import read_manifest
 from images.templates import SPECS, TEMPLATES
 
@@ -73,17 +74,22 @@ def _load_dir(directory: Path) -> TemplateImage | None:
 
 
 def load_template(name: str, images_dir: Path) -> TemplateImage | None:
-    """The most recently built ``name`` in ``images_dir``, or None. Never builds."""
+    """The built ``name`` in ``images_dir`` that best fits this checkout, or None: the most
+    recent build of this checkout's guest/ code, else the most recent build (several
+    checkouts can share one images dir). Never builds."""
     _check_name(name)
-    best: tuple[float, TemplateImage] | None = None
+    ours = files_digest(snapshot_files(GUEST_DIR))
+    best: tuple[tuple[bool, float], TemplateImage] | None = None
     for directory in (Path(images_dir) / name).glob("*"):
         if directory.name.startswith("."):
             continue  # a build in progress or an abandoned one
         image = _load_dir(directory)
         if image is not None:
-            built_at = float(str((read_manifest(directory) or {}).get("built_at", 0)))
-            if best is None or built_at > best[0]:
-                best = (built_at, image)
+            manifest = read_manifest(directory) or {}
+            key = (manifest.get("guest_digest") == ours,
+                   float(str(manifest.get("built_at", 0))))
+            if best is None or key > best[0]:
+                best = (key, image)
     return best[1] if best else None
 
 

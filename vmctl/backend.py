@@ -90,6 +90,10 @@ class VMConfig:
     restore_timeout: float = 30.0  # restore to agent-ready
     firecracker_kernel: Path = DEFAULT_FIRECRACKER_KERNEL  # built by `make kernel-firecracker`
     console_log_bytes: int = 1 << 20  # guest console kept per VM (twice this with rotation)
+    # Seconds a sandbox sleeps before its memory snapshot is stored as its diff from the
+    # golden (vmctl.memdiff; a wake then rebuilds it first); 0 = right after the suspend,
+    # negative = never. QEMU only.
+    compact_after: float = 600.0
     network: NetworkConfig = field(default_factory=NetworkConfig)
     firecracker: FirecrackerConfig = field(default_factory=FirecrackerConfig)
     confine: ConfineConfig = field(default_factory=ConfineConfig)

@@ -89,6 +89,9 @@ class Layout(abc.ABC):
     # ``suspend_stat_checked`` are verified by size and mtime instead.
     suspend_hashed: ClassVar[tuple[str, ...]] = ("state",)
     suspend_stat_checked: ClassVar[tuple[str, ...]] = ()
+    # A suspended sandbox's memory file can be stored as its diff from the golden's
+    # (``store.compact_memory``): QEMU's RAM file starts as a copy of the golden's.
+    compacts_memory: ClassVar[bool] = False
 
     def disk(self, root: Path) -> Path:
         return root / self.disk_name
@@ -122,6 +125,7 @@ class QemuLayout(Layout):
 
     disk_name = "disk.qcow2"
     suspend_stat_checked = ("memory", "disk")
+    compacts_memory = True
 
     async def golden_disk(self, rootfs: Path, directory: Path) -> Path:
         path = self.disk(directory)

@@ -11,7 +11,10 @@ Unset (production), ``point`` is one dict lookup. Points: ``restore.loading``
 (device state streaming in), ``restore.before_cont`` (snapshot marked consumed,
 guest not yet running), ``restore.resumed`` (guest running, agent not yet
 answered), ``suspend.migrating`` (the snapshot being written),
-``suspend.written`` (snapshot complete, VMM not yet stopped).
+``suspend.written`` (snapshot complete, VMM not yet stopped), ``compact.recorded`` (a
+sleeping sandbox's memory diff written and named in its manifest, the full memory file not
+yet deleted), ``expand.rebuilt`` (a wake rebuilt the memory file from the diff, the
+manifest still names the diff).
 """
 
 from __future__ import annotations

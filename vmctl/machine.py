@@ -92,8 +92,9 @@ class Machine:
         self.backend = backend
         self.driver: Driver | None = None
         self.agent: AgentClient | None = None
-        self._seal: asyncio.Future | None = None
+        self._seal: asyncio.Task | None = None  # after a suspend: seal, later compact
         self._seal_cancel = threading.Event()
+        self._seal_wake = asyncio.Event()
         # Called (synchronously) with the new VMM's record before its guest may run, so the
         # owner can persist it: after a crash, recovery must find and adopt that VMM.
         self.on_vmm_started: Callable[[VMMRecord], None] | None = None
@@ -188,18 +189,44 @@ class Machine:
         self._start_seal()
 
     def _start_seal(self) -> None:
-        """Hash the memory file into the manifest in a worker thread (hundreds of ms for
-        512 MiB, so not on the suspend path); a wake cancels it or uses its result."""
+        """After a suspend, in the background: hash the memory file into the manifest (a
+        worker thread: hundreds of ms for 512 MiB, so not on the suspend path), then, once
+        the sandbox has slept ``vm.compact_after`` seconds, store that memory as its diff
+        from the golden's. A wake stops both first (``_stop_seal``)."""
         self._seal_cancel = threading.Event()
+        self._seal_wake = asyncio.Event()
+        self._seal = asyncio.get_running_loop().create_task(
+            self._after_suspend(self._seal_cancel, self._seal_wake),
+            name=f"seal {self.plan.vm_id}")
+
+    async def _after_suspend(self, cancel: threading.Event, woken: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
-        self._seal = loop.run_in_executor(None, store.seal, self.snapshot_dir, "memory",
-                                          self._seal_cancel)
-        self._seal.add_done_callback(lambda f: f.cancelled() or f.exception())
+        try:
+            await loop.run_in_executor(None, store.seal, self.snapshot_dir, "memory", cancel)
+            delay = self.backend.config.compact_after
+            if delay < 0 or not self.backend.layout.compacts_memory:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(woken.wait(), delay)
+                return  # woken (or destroyed) first
+            golden = self.plan.golden.snapshot.memory
+            saved = await loop.run_in_executor(None, store.compact_memory, self.snapshot_dir,
+                                               golden, cancel)
+            if saved is not None:
+                log.info("sandbox %s: memory snapshot compacted (%d MiB saved)",
+                         self.plan.vm_id, saved >> 20)
+        except store.SealCancelled:
+            pass
+        except Exception as exc:  # the snapshot stays as it was: usable, just not compact
+            log.warning("sandbox %s: sealing/compacting its snapshot failed: %s",
+                        self.plan.vm_id, exc)
 
     async def _stop_seal(self) -> None:
+        """Stop the background work on the snapshot and wait until no thread touches it."""
         seal, self._seal = self._seal, None
         if seal is not None:
             self._seal_cancel.set()
+            self._seal_wake.set()
             with contextlib.suppress(Exception):
                 await asyncio.shield(seal)
 
@@ -220,6 +247,9 @@ class Machine:
         started = time.monotonic()
         await self._stop_seal()
         try:
+            if await asyncio.to_thread(store.expand_memory, self.snapshot_dir):
+                log.info("sandbox %s: memory rebuilt from its compact snapshot in %.0f ms",
+                         self.plan.vm_id, (time.monotonic() - started) * 1000)
             snap, _ = await asyncio.to_thread(store.load, self.snapshot_dir)
         except SnapshotError as exc:
             raise RestoreError(str(exc), guest_started=False, snapshot_unusable=True) from exc

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vmctl import faults
 from vmctl.errors import SnapshotError
 from vmctl.spec import Accel, SnapshotFiles
 
@@ -105,6 +106,75 @@ def seal(directory: Path, role: str, cancel: threading.Event) -> None:
     os.replace(tmp, mpath)
 
 
+MEMORY_DIFF = "memory.diff"
+
+
+def _rewrite_manifest(directory: Path, files: dict[str, dict[str, Any]]) -> None:
+    mpath = directory / MANIFEST
+    manifest = Manifest.from_json(mpath.read_bytes())
+    tmp = directory / (MANIFEST + ".tmp")
+    tmp.write_bytes(Manifest(manifest.driver, manifest.accel, files, manifest.created_at,
+                             manifest.meta).to_json())
+    _fsync(tmp)
+    os.replace(tmp, mpath)
+    _fsync(directory)
+
+
+def compact_memory(directory: Path, golden_memory: Path, cancel: threading.Event) -> int | None:
+    """Store a complete snapshot's (external) memory file as its diff from the golden's
+    (``vmctl.memdiff``) and delete the memory file; returns the bytes saved, or None if the
+    snapshot is already compact. Crash-safe: the manifest names the diff (fsynced) before
+    the memory file goes, and ``expand_memory`` accepts either."""
+    from vmctl import memdiff
+    manifest = Manifest.from_json((directory / MANIFEST).read_bytes())
+    entry = dict(manifest.files["memory"])
+    if "diff" in entry:
+        return None
+    memory = directory / entry["path"]
+    if "mtime_ns" in entry:
+        _check_stat("memory", memory, entry)  # nothing wrote to it since the suspend
+    before = memory.stat().st_blocks * 512
+    stats = memdiff.compact(memory, golden_memory, directory / MEMORY_DIFF, cancel)
+    if cancel.is_set():
+        (directory / MEMORY_DIFF).unlink(missing_ok=True)
+        raise SealCancelled(str(directory))
+    diff = directory / MEMORY_DIFF
+    entry["diff"] = {"path": MEMORY_DIFF, "size": stats.diff_bytes,
+                     "mtime_ns": diff.stat().st_mtime_ns, "golden": str(golden_memory)}
+    _rewrite_manifest(directory, {**manifest.files, "memory": entry})
+    faults.point("compact.recorded")
+    memory.unlink()
+    return before - stats.diff_bytes
+
+
+def expand_memory(directory: Path) -> bool:
+    """Undo ``compact_memory`` before a restore: rebuild the memory file from the golden
+    and the diff, record it in the manifest, drop the diff. False if not compact."""
+    from vmctl import memdiff
+    manifest = Manifest.from_json((directory / MANIFEST).read_bytes())
+    entry = dict(manifest.files["memory"])
+    diff_entry = entry.pop("diff", None)
+    if diff_entry is None:
+        return False
+    diff = directory / diff_entry["path"]
+    if not diff.is_file():
+        raise SnapshotError("the snapshot's memory diff is missing")
+    _check_stat("memory diff", diff, diff_entry)
+    memory = directory / entry["path"]
+    try:
+        memdiff.expand(diff, Path(diff_entry["golden"]), memory)
+    except (memdiff.DiffError, OSError) as exc:
+        raise SnapshotError(f"cannot rebuild the snapshot's memory: {exc}") from exc
+    _fsync(memory)
+    faults.point("expand.rebuilt")
+    st = memory.stat()
+    entry.pop("sha256", None)  # a new file: checked by size and mtime like any suspend's
+    entry.update(size=st.st_size, mtime_ns=st.st_mtime_ns)
+    _rewrite_manifest(directory, {**manifest.files, "memory": entry})
+    diff.unlink()
+    return True
+
+
 def write_manifest(directory: Path, snap: SnapshotFiles, meta: dict[str, Any] | None = None,
                    hash_roles: tuple[str, ...] = ("state", "memory", "disk"),
                    stat_roles: tuple[str, ...] = ()) -> Manifest:
@@ -161,6 +231,13 @@ def load(directory: Path, verify: bool = True) -> tuple[SnapshotFiles, Manifest]
         if not entry:
             raise SnapshotError(f"snapshot manifest in {directory} lacks {role!r}")
         path = directory / entry["path"]  # absolute paths stay absolute
+        if "diff" in entry:  # compact memory (compact_memory): usable once expanded
+            if not (directory / entry["diff"]["path"]).is_file():
+                raise SnapshotError(f"snapshot {role} diff is missing")
+            if verify:
+                raise SnapshotError(f"snapshot {role} is compact: expand_memory first")
+            paths[role] = path
+            continue
         if not path.is_file():
             raise SnapshotError(f"snapshot {role} file {path} is missing")
         if verify and "sha256" in entry and sha256_file(path) != entry["sha256"]:

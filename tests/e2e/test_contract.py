@@ -45,12 +45,25 @@ def test_every_guest_backed_operation_answers_what_the_spec_says(api):
         call(api, "GET", SB + "/preview", 200, p + "/preview")
         call(api, "PATCH", SB + "/preview", 200, p + "/preview", json={"public_ports": [8000]})
         call(api, "POST", SB + "/preview-token", 200, p + "/preview-token")
+        _controls(api, p, sb["id"])
         call(api, "POST", SB + "/suspend", 200, p + "/suspend")
         call(api, "POST", SB + "/resume", 200, p + "/resume")
         call(api, "GET", SB, 200, p)
     finally:
         call(api, "DELETE", SB, 204, p)
     call(api, "POST", SB + "/execute", 404, p + "/execute", json={"command": "true"})
+
+
+def _controls(api: httpx.Client, p: str, sid: str) -> None:
+    """Lifetimes, listing, usage, metrics and logs (issue 13) with a real VM behind them."""
+    call(api, "PATCH", SB, 200, p, json={"ttl": 3600, "auto_delete_after": 3600})
+    page = call(api, "GET", "/v1/sandboxes", 200, "/v1/sandboxes",
+                params={"state": "running", "template": "python", "limit": 1000})
+    assert sid in [s["id"] for s in page["sandboxes"]]
+    call(api, "GET", "/v1/sandboxes", 400, "/v1/sandboxes", params={"cursor": "x"})
+    call(api, "GET", SB + "/metrics", 200, p + "/metrics")
+    call(api, "GET", SB + "/logs", 200, p + "/logs", params={"tail": 20})
+    call(api, "GET", "/v1/usage", 200, "/v1/usage", params={"key": "*"})
 
 
 def _files_and_execute(api: httpx.Client, p: str) -> None:

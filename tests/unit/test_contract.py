@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 
 from agentbox import models
-from gateway import api, api_keys, api_templates, info, openapi
+from gateway import api, api_controls, api_keys, api_templates, info, openapi
 from gateway.config import Config, ServerConfig
 from gateway.middleware import (REGISTRY_KEY, api_error_middleware, auth_middleware,
                                 error_middleware)
@@ -52,7 +52,7 @@ async def app_client(tmp_path: Path, aiohttp_client):
     app[ACCESS_KEY] = AccessStore(registry)
     app[info.SERVER_KEY] = config.server
     for routes in (api.routes, api_templates.routes, api_keys.routes, info.routes,
-                   openapi.routes):
+                   openapi.routes, api_controls.routes):
         app.add_routes(routes)
     _, admin = registry.create_key("admin", admin=True)
     client = await aiohttp_client(app)
@@ -81,7 +81,16 @@ async def test_gateway_operations_answer_what_the_spec_says(app_client):
     await call(c, "GET", "/v1/sandboxes", 200)
     await call(c, "GET", "/v1/sandboxes/{id}", 200, path)
     await call(c, "PATCH", "/v1/sandboxes/{id}", 200, path,
-               json={"idle_timeout": 60, "public_ports": [8000]})
+               json={"idle_timeout": 60, "public_ports": [8000], "ttl": 600,
+                     "auto_delete_after": 60})
+    await call(c, "POST", "/v1/sandboxes", 201, json={"ttl": 60, "metadata": {"a": "c"}})
+    page = await call(c, "GET", "/v1/sandboxes", 200, "/v1/sandboxes?limit=1&metadata.a=b"
+                      "&state=running,suspended&template=python")
+    assert [s["id"] for s in page["sandboxes"]] == [sb["id"]] and page["next_cursor"] is None
+    await call(c, "GET", "/v1/usage", 200, "/v1/usage?from=0&key=*")
+    await call(c, "GET", "/v1/usage", 200)
+    await call(c, "GET", "/v1/sandboxes/{id}/metrics", 200, path + "/metrics")
+    await call(c, "GET", "/v1/sandboxes/{id}/logs", 200, path + "/logs?tail=5")
     key = await call(c, "POST", "/v1/keys", 201, json={"name": "t"})
     await call(c, "GET", "/v1/keys", 200)
     await call(c, "PATCH", "/v1/keys/{key_id}", 200, f"/v1/keys/{key['id']}",
@@ -108,6 +117,13 @@ async def test_error_answers_carry_registered_codes(app_client):
                json={"template": "python"})
     await call(c, "POST", "/v1/sandboxes/{id}/fork", 400, "/v1/sandboxes/x/fork",
                json={"count": 99})
+    await call(c, "GET", "/v1/sandboxes", 400, "/v1/sandboxes?cursor=nope")
+    await call(c, "GET", "/v1/sandboxes", 400, "/v1/sandboxes?limit=100000")
+    await call(c, "GET", "/v1/sandboxes", 400, "/v1/sandboxes?colour=red")
+    await call(c, "GET", "/v1/usage", 400, "/v1/usage?from=yesterday")
+    await call(c, "POST", "/v1/sandboxes", 400, json={"ttl": -1})
+    await call(c, "GET", "/v1/sandboxes/{id}/logs", 404, "/v1/sandboxes/nope/logs")
+    await call(c, "GET", "/v1/sandboxes/{id}/metrics", 404, "/v1/sandboxes/nope/metrics")
 
 
 async def test_an_undocumented_field_in_an_answer_fails(app_client, monkeypatch):
@@ -127,13 +143,17 @@ MODELS: dict[str, Any] = {
     "ExecutionError": models.ExecutionError, "Result": models.Result,
     "Execution": models.Execution, "ExecResult": models.ExecResult,
     "ProcessInfo": models.ProcessInfo, "ContextInfo": models.CodeContext,
-    "Session": models.Session,
+    "Session": models.Session, "Usage": models.Usage, "KeyUsage": models.KeyUsage,
+    "SandboxUsage": models.SandboxUsage, "SandboxMetrics": models.SandboxMetrics,
+    "SandboxLogs": models.SandboxLogs, "SandboxEvent": models.SandboxEvent,
+    "SandboxList": models.SandboxPage,
 }
 # Fields of a schema the SDK deliberately does not keep as a field of the same name
 # (ServerInfo keeps every field of Info in .raw; Result keeps the MIME bundle).
 NOT_A_FIELD: dict[str, set[str]] = {
     "Info": {"preview_domain", "session_domain"},
     "Result": {"text/plain", "text/html", "image/png", "application/json"},  # in .data
+    "Usage": {"from"}, "SandboxEvent": {"from"},  # as from_ (a keyword in Python)
 }
 
 

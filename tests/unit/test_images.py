@@ -182,7 +182,7 @@ def test_read_manifest_rejects_partial_or_foreign(tmp_path: Path) -> None:
 
 
 def _fake_build(images_dir: Path, name: str, digest_: str, built_at: float,
-                with_manifest: bool = True) -> Path:
+                with_manifest: bool = True, guest_digest: str = "other") -> Path:
     d = images_dir / name / digest_
     d.mkdir(parents=True)
     for f in ("vmlinuz", "initrd.img", "rootfs.ext4"):
@@ -192,6 +192,7 @@ def _fake_build(images_dir: Path, name: str, digest_: str, built_at: float,
             "name": name, "hash": digest_, "built_at": built_at,
             "files": {"kernel": "vmlinuz", "initrd": "initrd.img", "rootfs": "rootfs.ext4"},
             "cmdline": "console=ttyS0", "mem_mib": 512, "warmup": "",
+            "guest_digest": guest_digest,
         })
     return d
 
@@ -205,6 +206,19 @@ def test_load_template_takes_latest_complete_build(tmp_path: Path) -> None:
     image = catalog.load_template("python", tmp_path)
     assert image is not None and image.dir == newest and image.hash == "b" * 20
     assert image.kernel == newest / "vmlinuz" and image.mem_mib == 512
+
+
+def test_load_template_prefers_a_build_of_this_checkouts_guest_code(tmp_path: Path) -> None:
+    """Several checkouts share one images dir: the newest build of *our* guest/ code wins
+    over a newer build of another checkout's."""
+    from images.hashing import files_digest, snapshot_files
+    from images.inputs import GUEST_DIR
+
+    ours = _fake_build(tmp_path, "python", "a" * 20, built_at=100.0,
+                       guest_digest=files_digest(snapshot_files(GUEST_DIR)))
+    _fake_build(tmp_path, "python", "b" * 20, built_at=200.0)  # another checkout's
+    image = catalog.load_template("python", tmp_path)
+    assert image is not None and image.dir == ours
 
 
 def test_load_template_ignores_build_with_missing_file(tmp_path: Path) -> None:

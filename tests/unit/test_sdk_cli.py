@@ -234,3 +234,44 @@ async def test_terminal_handshake_errors_are_typed(aiohttp_server):
     finally:
         os.close(read_fd)
         os.close(write_fd)
+
+
+def test_ls_filters_usage_metrics_logs(srv, capsys):
+    srv.on("GET", "/v1/usage", reply({"from": 0, "to": 10, "keys": [{
+        "key": "k1", "awake_seconds": 5.0, "vcpu_seconds": 5.0, "gib_seconds": 2.5,
+        "suspended_seconds": 0.0, "snapshot_gib_hours": 0.0, "restores": 0, "created": 1,
+        "destroyed": 0, "sandboxes": [{"sandbox_id": "sb1", "key": "k1", "vcpu_seconds": 5.0}]}]}))
+    srv.on("GET", SB + "/metrics", reply({"sandbox_id": "sb1", "state": "running",
+                                          "disk_bytes": 4096, "at": 1.0, "cpu_seconds": 2.5}))
+    srv.on("GET", SB + "/logs", reply({"sandbox_id": "sb1", "console": ["boot", "hello"],
+                                       "events": [{"at": 0, "from": None, "to": "creating",
+                                                   "event": "insert", "cause": "api"}]}))
+    code, _, _ = run(capsys, "ls", "--state", "running", "--state", "suspended", "--metadata",
+                     "user=alice", "--template", "python", "--limit", "5")
+    assert code == 0
+    assert srv.seen("GET", "/v1/sandboxes")[-1].query == {
+        "state": "running,suspended", "template": "python", "metadata.user": "alice",
+        "limit": "5"}
+    code, out, _ = run(capsys, "usage", "--from", "2026-01-01", "--key", "*", "--sandboxes")
+    assert code == 0 and out.splitlines()[1].split()[:3] == ["k1", "5.0", "2.5"]
+    query = srv.seen("GET", "/v1/usage")[-1].query
+    assert query["key"] == "*" and float(query["from"]) == 1767225600.0
+    assert "cpu_seconds      2.5" in run(capsys, "metrics", "sb1")[1]
+    code, out, _ = run(capsys, "logs", "sb1", "--tail", "2", "--events")
+    assert out.splitlines()[-2:] == ["boot", "hello"] and "insert" in out
+    assert srv.seen("GET", SB + "/logs")[-1].query == {"tail": "2"}
+
+
+def test_list_walks_every_page(srv):
+    from agentbox import AgentBox
+
+    pages = {None: {"sandboxes": [sandbox_json()], "next_cursor": "c1"},
+             "c1": {"sandboxes": [sandbox_json() | {"id": "sb2"}], "next_cursor": None}}
+
+    async def page(request):
+        return web.json_response(pages[request.query.get("cursor")])
+    srv.on("GET", "/v1/sandboxes", page)
+    with AgentBox() as box:
+        assert [s.id for s in box.list(metadata={"n": 1})] == ["sb1", "sb2"]
+        assert [s.id for s in box.list(limit=1)] == ["sb1"]
+    assert srv.seen("GET", "/v1/sandboxes")[0].query == {"metadata.n": "1", "limit": "100"}

@@ -6,6 +6,7 @@ drift apart; they differ only in how they send them (``agentbox._transport``).
 
 from __future__ import annotations
 
+import json
 import posixpath
 from typing import Any
 from urllib.parse import quote
@@ -41,13 +42,44 @@ def _drop_none(**fields: Any) -> dict[str, Any]:
 # -- sandboxes ---------------------------------------------------------------------------------
 
 def create_sandbox(template: str | None, idle_timeout: float | None,
-                   metadata: dict[str, Any] | None) -> Call:
-    body = _drop_none(template=template, idle_timeout=idle_timeout, metadata=metadata)
+                   metadata: dict[str, Any] | None, ttl: float | None = None,
+                   auto_delete_after: float | None = None) -> Call:
+    body = _drop_none(template=template, idle_timeout=idle_timeout, metadata=metadata, ttl=ttl,
+                      auto_delete_after=auto_delete_after)
     return Call("POST", "/v1/sandboxes", json=body)
 
 
-def list_sandboxes() -> Call:
-    return Call("GET", "/v1/sandboxes")
+def list_sandboxes(state: str | list[str] | None = None, template: str | None = None,
+                   metadata: dict[str, Any] | None = None, limit: int | None = None,
+                   cursor: str | None = None) -> Call:
+    """One page; ``metadata``: values every sandbox must have (``metadata.KEY=VALUE``)."""
+    if isinstance(state, (list, tuple)):
+        state = ",".join(state)
+    params = _drop_none(state=state, template=template, cursor=cursor,
+                        limit=None if limit is None else str(int(limit)))
+    for key, value in (metadata or {}).items():
+        params[f"metadata.{key}"] = value if isinstance(value, str) else _json_text(value)
+    return Call("GET", "/v1/sandboxes", params=params or None)
+
+
+def _json_text(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def usage(start: float | None = None, end: float | None = None,
+          key: str | None = None) -> Call:
+    params = _drop_none(key=key, **{"from": None if start is None else str(start),
+                                    "to": None if end is None else str(end)})
+    return Call("GET", "/v1/usage", params=params or None)
+
+
+def sandbox_metrics(sandbox_id: str) -> Call:
+    return Call("GET", _sb(sandbox_id, "/metrics"))
+
+
+def sandbox_logs(sandbox_id: str, tail: int | None = None) -> Call:
+    return Call("GET", _sb(sandbox_id, "/logs"),
+                params=None if tail is None else {"tail": str(int(tail))})
 
 
 def get_sandbox(sandbox_id: str) -> Call:
@@ -68,12 +100,14 @@ def resume_sandbox(sandbox_id: str) -> Call:
 
 def update_sandbox(sandbox_id: str, idle_timeout: float | None = None,
                    metadata: dict[str, Any] | None = None,
-                   public_ports: list[int] | None = None) -> Call:
+                   public_ports: list[int] | None = None, ttl: float | None = None,
+                   auto_delete_after: float | None = None) -> Call:
     body = _drop_none(idle_timeout=idle_timeout, metadata=metadata,
-                      public_ports=None if public_ports is None else _ports(public_ports))
+                      public_ports=None if public_ports is None else _ports(public_ports),
+                      ttl=ttl, auto_delete_after=auto_delete_after)
     if not body:
-        raise InvalidArgumentError("nothing to update: give idle_timeout, metadata and/or "
-                                   "public_ports")
+        raise InvalidArgumentError("nothing to update: give idle_timeout, metadata, "
+                                   "public_ports, ttl and/or auto_delete_after")
     return Call("PATCH", _sb(sandbox_id), json=body)
 
 

@@ -10,6 +10,8 @@ HTTP connection pool; every sandbox it makes shares it.
 from __future__ import annotations
 
 import builtins
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -18,8 +20,8 @@ from agentbox import _calls, _common
 from agentbox._transport import AsyncTransport, ClientConfig
 from agentbox.async_sandbox import AsyncSandbox
 from agentbox.exceptions import NotFoundError, SandboxNotFoundError
-from agentbox.models import SandboxInfo, ServerInfo, Template
 from agentbox.async_sessions import AsyncSessions
+from agentbox.models import SandboxInfo, SandboxPage, ServerInfo, Template, Usage
 
 # unasync: add from agentbox.async_client import AsyncAgentBox  # the one import path for both
 
@@ -45,11 +47,15 @@ class AsyncAgentBox:
 
     async def create(self, template: str | None = _common.DEFAULT_TEMPLATE, *,
                      environment: str | None = None, idle_timeout: float | None = None,
-                     metadata: dict[str, Any] | None = None, keep: bool = False) -> AsyncSandbox:
+                     metadata: dict[str, Any] | None = None, keep: bool = False,
+                     ttl: float | None = None,
+                     auto_delete_after: float | None = None) -> AsyncSandbox:
         """A new sandbox from ``template`` (alias ``environment``); see
-        :meth:`AsyncSandbox.create`."""
+        :meth:`AsyncSandbox.create`. ``ttl``: destroyed that many seconds after create;
+        ``auto_delete_after``: destroyed after that many seconds suspended (0 = never;
+        default: the server's)."""
         call = _calls.create_sandbox(_common.pick_template(template, environment), idle_timeout,
-                                     metadata)
+                                     metadata, ttl, auto_delete_after)
         info = SandboxInfo.from_dict(await self._transport.json(call))
         return AsyncSandbox(self, info, keep=keep)
 
@@ -60,9 +66,50 @@ class AsyncAgentBox:
     async def get(self, sandbox_id: str) -> SandboxInfo:
         return SandboxInfo.from_dict(await self._transport.json(_calls.get_sandbox(sandbox_id)))
 
-    async def list(self) -> list[SandboxInfo]:
-        """This key's sandboxes."""
-        return _sandboxes(await self._transport.json(_calls.list_sandboxes()))
+    async def list(self, *, state: str | builtins.list[str] | None = None,
+                   template: str | None = None, metadata: dict[str, Any] | None = None,
+                   limit: int | None = None) -> builtins.list[SandboxInfo]:
+        """This key's sandboxes, oldest first, that match every filter given (``state``:
+        one or a list; ``metadata``: values they must have). All of them (every page), or
+        at most ``limit``."""
+        out: builtins.list[SandboxInfo] = []
+        pages = self.iter_sandboxes(state=state, template=template, metadata=metadata,
+                                    page_size=min(limit or 100, 1000))
+        async with contextlib.aclosing(pages):
+            async for info in pages:
+                if limit is not None and len(out) >= limit:
+                    break
+                out.append(info)
+        return out
+
+    async def list_page(self, *, state: str | builtins.list[str] | None = None,
+                        template: str | None = None, metadata: dict[str, Any] | None = None,
+                        limit: int | None = None, cursor: str | None = None) -> SandboxPage:
+        """One page of :meth:`list` (pass its ``next_cursor`` back for the next one)."""
+        call = _calls.list_sandboxes(state, template, metadata, limit, cursor)
+        return SandboxPage.from_dict(await self._transport.json(call))
+
+    async def iter_sandboxes(self, *, state: str | builtins.list[str] | None = None,
+                             template: str | None = None,
+                             metadata: dict[str, Any] | None = None,
+                             page_size: int = 100) -> AsyncIterator[SandboxInfo]:
+        """Every matching sandbox, fetched a page at a time."""
+        cursor: str | None = None
+        while True:
+            page = await self.list_page(
+                state=state, template=template, metadata=metadata, limit=page_size,
+                cursor=cursor)
+            for info in page.sandboxes:  # noqa: RUF100, UP028 (async: no yield from)
+                yield info
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
+
+    async def usage(self, start: float | None = None, end: float | None = None, *,
+                    key: str | None = None) -> Usage:
+        """Metered use in [start, end) (Unix times; default: all time up to now) of this
+        key, or with an admin key of ``key`` (an id, or ``"*"`` for every key)."""
+        return Usage.from_dict(await self._transport.json(_calls.usage(start, end, key)))
 
     async def kill(self, sandbox_id: str) -> bool:
         try:

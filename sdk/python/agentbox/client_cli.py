@@ -2,6 +2,7 @@
 ``serve``/``keys``/``images`` are ``agentbox-server``, on the server side):
 
     create, ls, info, exec, run, cp, shell, url, suspend, resume, rm, mcp,
+    usage, metrics, logs (in ``agentbox._cli_controls``),
     session put|get|ls|rm (in ``agentbox._cli_sessions``),
     templates [ls|rm], snapshot, fork (in ``agentbox._cli_templates``)
 
@@ -45,7 +46,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("template", nargs="?", default="python", help="template (default python)")
     p.add_argument("--idle-timeout", type=float, help="seconds idle before suspend (0 = never)")
     p.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
-    cmd("ls", cmd_ls, "list sandboxes")
+    p.add_argument("--ttl", type=float, help="seconds until it is destroyed (0 = never)")
+    p.add_argument("--auto-delete-after", type=float,
+                   help="seconds suspended before it is destroyed (0 = never)")
+    p = cmd("ls", cmd_ls, "list sandboxes (oldest first; filters combine)")
+    p.add_argument("--state", action="append", default=[], help="e.g. running (repeatable)")
+    p.add_argument("--template")
+    p.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--limit", type=int, help="at most this many")
     cmd("info", cmd_info, "show a sandbox").add_argument("sandbox")
     p = cmd("exec", cmd_exec, "run a shell command in a sandbox")
     p.add_argument("sandbox")
@@ -78,9 +86,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     cmd("suspend", cmd_suspend, "snapshot a sandbox and stop its VM").add_argument("sandbox")
     cmd("resume", cmd_resume, "wake a suspended sandbox").add_argument("sandbox")
     cmd("rm", cmd_rm, "delete sandboxes").add_argument("sandboxes", nargs="+")
-    from agentbox import _cli_templates
+    from agentbox import _cli_controls, _cli_templates
 
     _cli_templates.add_commands(cmd)  # templates [ls|rm], snapshot, fork
+    _cli_controls.add_commands(cmd)
     p = cmd("mcp", cmd_mcp, "serve the sandbox tools over MCP (stdio)")
     p.add_argument("--template", default="python", help="template of the session's sandbox")
     p.add_argument("--sandbox", help="use this existing sandbox instead of creating one")
@@ -128,7 +137,8 @@ def cmd_create(args: argparse.Namespace) -> int:
     with _client(args) as box, out.Spinner(f"creating a {args.template} sandbox"):
         start = time.monotonic()
         sandbox = box.create(args.template, idle_timeout=args.idle_timeout,
-                             metadata=_pairs(args.metadata, "--metadata") or None, keep=True)
+                             metadata=_pairs(args.metadata, "--metadata") or None, keep=True,
+                             ttl=args.ttl, auto_delete_after=args.auto_delete_after)
     if args.json:
         out.print_json(sandbox.info)
     else:
@@ -140,7 +150,9 @@ def cmd_create(args: argparse.Namespace) -> int:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     with _client(args) as box:
-        sandboxes = box.list()
+        sandboxes = box.list(state=args.state or None, template=args.template,
+                             metadata=_pairs(args.metadata, "--metadata") or None,
+                             limit=args.limit)
     if args.json:
         out.print_json(sandboxes)
         return 0

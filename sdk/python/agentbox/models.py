@@ -42,6 +42,9 @@ class SandboxInfo:
     preview_token: str | None = None  # only from get/update (the owner's view), not list
     public_ports: list[int] = field(default_factory=list)
     preview_url_template: str | None = None
+    expires_at: float | None = None  # Unix time its ttl ends (None: no ttl)
+    auto_delete_after: float = 0.0  # seconds asleep before it is deleted (0 = never)
+    delete_at: float | None = None  # asleep: when auto_delete_after ends
 
     @classmethod
     def from_dict(cls, data: Any) -> SandboxInfo:
@@ -419,3 +422,139 @@ class Session:
             raise NotFoundError(f"session {self.name!r} has no sandbox yet", status=404,
                                 code="session_not_ready")
         return client.connect(self.sandbox_id)
+
+
+@dataclass(frozen=True)
+class SandboxPage:
+    """One page of ``GET /v1/sandboxes``; ``next_cursor`` is None on the last page."""
+
+    sandboxes: list[SandboxInfo]
+    next_cursor: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SandboxPage:
+        items = _get(data, "sandboxes", "sandbox list")
+        return cls([SandboxInfo.from_dict(s) for s in items], data.get("next_cursor"))
+
+
+def _known(cls: Any, data: Any, kind: str) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise ProtocolError(f"{kind}: the server's answer is not an object")
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in data.items() if k in names}
+
+
+@dataclass(frozen=True)
+class SandboxUsage:
+    """Metered use of one sandbox (or, in :class:`KeyUsage`, of a key) in a time window:
+    awake = time RUNNING; snapshot GiB-hours = time suspended x its snapshot's size."""
+
+    sandbox_id: str
+    key: str
+    awake_seconds: float = 0.0
+    vcpu_seconds: float = 0.0
+    gib_seconds: float = 0.0
+    suspended_seconds: float = 0.0
+    snapshot_gib_hours: float = 0.0
+    restores: int = 0
+    created: int = 0
+    destroyed: int = 0
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SandboxUsage:
+        _get(data, "sandbox_id", "usage")
+        return cls(**_known(cls, data, "usage"))
+
+
+@dataclass(frozen=True)
+class KeyUsage:
+    key: str
+    awake_seconds: float = 0.0
+    vcpu_seconds: float = 0.0
+    gib_seconds: float = 0.0
+    suspended_seconds: float = 0.0
+    snapshot_gib_hours: float = 0.0
+    restores: int = 0
+    created: int = 0
+    destroyed: int = 0
+    sandboxes: list[SandboxUsage] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> KeyUsage:
+        _get(data, "key", "usage")
+        fields = _known(cls, data, "usage")
+        fields["sandboxes"] = [SandboxUsage.from_dict(s) for s in fields.get("sandboxes") or []]
+        return cls(**fields)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """``GET /v1/usage``: per key, its totals and its sandboxes, in [``from_``, ``to``)."""
+
+    from_: float
+    to: float
+    keys: list[KeyUsage] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Usage:
+        return cls(float(_get(data, "from", "usage")), float(_get(data, "to", "usage")),
+                   [KeyUsage.from_dict(k) for k in data.get("keys") or []])
+
+    def for_key(self, key: str | None = None) -> KeyUsage | None:
+        """One key's usage (the only one when ``key`` is None)."""
+        if key is None:
+            return self.keys[0] if len(self.keys) == 1 else None
+        return next((k for k in self.keys if k.key == key), None)
+
+
+@dataclass(frozen=True)
+class SandboxMetrics:
+    """A sandbox's resource use as the host sees it (its VMM's cgroup or /proc)."""
+
+    sandbox_id: str
+    state: str
+    disk_bytes: int
+    at: float
+    vmm_pid: int | None = None
+    source: str | None = None  # "cgroup", "proc", or None (no VM running)
+    cpu_seconds: float | None = None
+    memory_bytes: int | None = None
+    rss_bytes: int | None = None
+    snapshot_bytes: int = 0
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SandboxMetrics:
+        for name in ("sandbox_id", "state", "disk_bytes", "at"):
+            _get(data, name, "metrics")
+        return cls(**_known(cls, data, "metrics"))
+
+
+@dataclass(frozen=True)
+class SandboxEvent:
+    at: float
+    to: str
+    event: str
+    from_: str | None = None
+    cause: str = ""
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SandboxEvent:
+        return cls(float(_get(data, "at", "event")), str(_get(data, "to", "event")),
+                   str(_get(data, "event", "event")), data.get("from"), data.get("cause", ""))
+
+
+@dataclass(frozen=True)
+class SandboxLogs:
+    """A sandbox's console log tail (``console``: lines) and its state transitions."""
+
+    sandbox_id: str
+    console: list[str] = field(default_factory=list)
+    events: list[SandboxEvent] = field(default_factory=list)
+    truncated: bool = False
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SandboxLogs:
+        return cls(str(_get(data, "sandbox_id", "logs")),
+                   [str(line) for line in _get(data, "console", "logs")],
+                   [SandboxEvent.from_dict(e) for e in _get(data, "events", "logs")],
+                   bool(data.get("truncated", False)))

@@ -29,6 +29,8 @@ from agentbox.models import (
     FileInfo,
     PreviewAccess,
     SandboxInfo,
+    SandboxLogs,
+    SandboxMetrics,
     Template,
 )
 
@@ -68,7 +70,8 @@ class Sandbox:
                environment: str | None = None, idle_timeout: float | None = None,
                metadata: dict[str, Any] | None = None, keep: bool = False,
                api_key: str | None = None, base_url: str | None = None,
-               timeout: float | None = None) -> Sandbox:
+               timeout: float | None = None, ttl: float | None = None,
+               auto_delete_after: float | None = None) -> Sandbox:
         """Create a sandbox from ``template`` (alias ``environment``). ``idle_timeout``:
         seconds without activity before it is suspended (0 = never; None = the server's
         default). ``keep=True``: leaving a ``with`` block does not kill it."""
@@ -78,7 +81,8 @@ class Sandbox:
         try:
             sandbox = client.create(template, environment=environment,
                                           idle_timeout=idle_timeout, metadata=metadata,
-                                          keep=keep)
+                                          keep=keep, ttl=ttl,
+                                          auto_delete_after=auto_delete_after)
         except BaseException:
             client.close()
             raise
@@ -256,10 +260,27 @@ class Sandbox:
 
     def update(self, *, idle_timeout: float | None = None,
                metadata: dict[str, Any] | None = None,
-               public_ports: builtins.list[int] | None = None) -> SandboxInfo:
-        call = _calls.update_sandbox(self.id, idle_timeout, metadata, public_ports)
+               public_ports: builtins.list[int] | None = None,
+               ttl: float | None = None,
+               auto_delete_after: float | None = None) -> SandboxInfo:
+        """Change its settings; ``ttl`` counts from now (extend it; 0 = no deadline)."""
+        call = _calls.update_sandbox(self.id, idle_timeout, metadata, public_ports, ttl,
+                                     auto_delete_after)
         self.info = SandboxInfo.from_dict(self._t.json(call))
         return self.info
+
+    def set_ttl(self, seconds: float) -> SandboxInfo:
+        """Destroy it ``seconds`` from now (0 = never)."""
+        return self.update(ttl=seconds)
+
+    def metrics(self) -> SandboxMetrics:
+        """CPU seconds and memory of its VM, and its disk use, read on the host (a
+        suspended sandbox is not woken)."""
+        return SandboxMetrics.from_dict(self._t.json(_calls.sandbox_metrics(self.id)))
+
+    def logs(self, tail: int | None = None) -> SandboxLogs:
+        """The last ``tail`` lines of its console (default 200) and its state changes."""
+        return SandboxLogs.from_dict(self._t.json(_calls.sandbox_logs(self.id, tail)))
 
     def kill(self) -> bool:
         """Destroy the sandbox; False if it was already gone."""

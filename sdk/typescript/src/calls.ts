@@ -50,9 +50,43 @@ function ports(value: unknown): number[] {
 // -- sandboxes ------------------------------------------------------------------------------
 
 export const createSandbox = (template: string | undefined, idleTimeout: number | undefined,
-                              metadata: Record<string, unknown> | undefined): Call =>
-  ({ method: "POST", path: "/v1/sandboxes", json: defined({ template, idle_timeout: idleTimeout, metadata }) });
-export const listSandboxes = (): Call => ({ method: "GET", path: "/v1/sandboxes" });
+                              metadata: Record<string, unknown> | undefined, ttl?: number,
+                              autoDeleteAfter?: number): Call =>
+  ({ method: "POST", path: "/v1/sandboxes",
+     json: defined({ template, idle_timeout: idleTimeout, metadata, ttl, auto_delete_after: autoDeleteAfter }) });
+
+/** Filters of `GET /v1/sandboxes` (all must match). */
+export interface ListFilters {
+  /** One state or several. */
+  state?: string | string[] | undefined;
+  template?: string | undefined;
+  /** Values the sandboxes' metadata must have (a non-string matches its JSON text). */
+  metadata?: Record<string, unknown> | undefined;
+}
+
+export function listSandboxes(filters: ListFilters = {}, limit?: number, cursor?: string): Call {
+  const params: Record<string, string> = {};
+  const state = Array.isArray(filters.state) ? filters.state.join(",") : filters.state;
+  if (state) params.state = state;
+  if (filters.template !== undefined) params.template = filters.template;
+  for (const [key, value] of Object.entries(filters.metadata ?? {})) {
+    params[`metadata.${key}`] = typeof value === "string" ? value : JSON.stringify(value);
+  }
+  if (limit !== undefined) params.limit = String(Math.trunc(limit));
+  if (cursor !== undefined) params.cursor = cursor;
+  return { method: "GET", path: "/v1/sandboxes", params: Object.keys(params).length ? params : undefined };
+}
+
+export function usage(from?: number, to?: number, key?: string): Call {
+  const params: Record<string, string> = {};
+  if (from !== undefined) params.from = String(from);
+  if (to !== undefined) params.to = String(to);
+  if (key !== undefined) params.key = key;
+  return { method: "GET", path: "/v1/usage", params: Object.keys(params).length ? params : undefined };
+}
+export const sandboxMetrics = (id: string): Call => ({ method: "GET", path: sb(id, "/metrics") });
+export const sandboxLogs = (id: string, tail?: number): Call =>
+  ({ method: "GET", path: sb(id, "/logs"), params: tail === undefined ? undefined : { tail: String(Math.trunc(tail)) } });
 export const getSandbox = (id: string): Call => ({ method: "GET", path: sb(id) });
 export const deleteSandbox = (id: string): Call => ({ method: "DELETE", path: sb(id) });
 export const suspendSandbox = (id: string): Call => ({ method: "POST", path: sb(id, "/suspend") });
@@ -61,13 +95,14 @@ export const templates = (): Call => ({ method: "GET", path: "/v1/templates" });
 export const serverInfo = (): Call => ({ method: "GET", path: "/v1/info" });
 
 export function updateSandbox(id: string, idleTimeout?: number, metadata?: Record<string, unknown>,
-                              publicPorts?: number[]): Call {
+                              publicPorts?: number[], ttl?: number, autoDeleteAfter?: number): Call {
   const json = defined({
     idle_timeout: idleTimeout, metadata,
     public_ports: publicPorts === undefined ? undefined : ports(publicPorts),
+    ttl, auto_delete_after: autoDeleteAfter,
   });
   if (!Object.keys(json).length) {
-    throw new InvalidArgumentError("nothing to update: give idleTimeout, metadata and/or publicPorts");
+    throw new InvalidArgumentError("nothing to update: give idleTimeout, metadata, publicPorts, ttl and/or autoDeleteAfter");
   }
   return { method: "PATCH", path: sb(id), json };
 }

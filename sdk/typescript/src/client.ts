@@ -7,7 +7,10 @@
 
 import * as calls from "./calls.js";
 import { InvalidArgumentError, NotFoundError, SandboxNotFoundError } from "./errors.js";
-import { parseSandbox, parseServerInfo, parseTemplate, type SandboxInfo, type ServerInfo, type Template } from "./models.js";
+import {
+  parseSandbox, parseSandboxPage, parseServerInfo, parseTemplate, parseUsage, type SandboxInfo, type SandboxPage,
+  type ServerInfo, type Template, type Usage,
+} from "./models.js";
 import { Sandbox } from "./sandbox.js";
 import { Sessions } from "./sessions.js";
 import { Transport, resolveConfig, type ClientConfig, type ClientOptions } from "./transport.js";
@@ -24,6 +27,15 @@ export interface CreateOptions {
   metadata?: Record<string, unknown> | undefined;
   /** `await using` does not kill it at the end of the block. */
   keep?: boolean | undefined;
+  /** Seconds after create before it is destroyed (0 = never; default: the server's). */
+  ttl?: number | undefined;
+  /** Seconds suspended before it is destroyed (0 = never; default: the server's). */
+  autoDeleteAfter?: number | undefined;
+}
+
+export interface ListOptions extends calls.ListFilters {
+  /** At most this many (default: every page). */
+  limit?: number | undefined;
 }
 
 function pickTemplate(options: CreateOptions): string {
@@ -54,7 +66,8 @@ export class AgentBox {
 
   /** A new sandbox from `template` (alias `environment`; default "python"). */
   async create(options: CreateOptions = {}): Promise<Sandbox> {
-    const call = calls.createSandbox(pickTemplate(options), options.idleTimeout, options.metadata);
+    const call = calls.createSandbox(pickTemplate(options), options.idleTimeout, options.metadata, options.ttl,
+                                     options.autoDeleteAfter);
     return new Sandbox(this, parseSandbox(await this._transport.json(call)), { keep: options.keep });
   }
 
@@ -67,10 +80,36 @@ export class AgentBox {
     return parseSandbox(await this._transport.json(calls.getSandbox(sandboxId)));
   }
 
-  /** This key's sandboxes. */
-  async list(): Promise<SandboxInfo[]> {
-    const data = await this._transport.json<{ sandboxes?: unknown[] }>(calls.listSandboxes());
-    return (data?.sandboxes ?? []).map(parseSandbox);
+  /** This key's sandboxes that match every filter, oldest first: every page, or at most `limit`. */
+  async list(options: ListOptions = {}): Promise<SandboxInfo[]> {
+    const out: SandboxInfo[] = [];
+    const pageSize = Math.min(options.limit ?? 100, 1000);
+    for await (const info of this.iterSandboxes(options, pageSize)) {
+      if (options.limit !== undefined && out.length >= options.limit) break;
+      out.push(info);
+    }
+    return out;
+  }
+
+  /** One page of {@link list} (pass its `nextCursor` back for the next one). */
+  async listPage(filters: calls.ListFilters = {}, limit?: number, cursor?: string): Promise<SandboxPage> {
+    return parseSandboxPage(await this._transport.json(calls.listSandboxes(filters, limit, cursor)));
+  }
+
+  /** Every matching sandbox, fetched a page at a time. */
+  async *iterSandboxes(filters: calls.ListFilters = {}, pageSize = 100): AsyncGenerator<SandboxInfo, void, undefined> {
+    let cursor: string | undefined;
+    for (;;) {
+      const page = await this.listPage(filters, pageSize, cursor);
+      yield* page.sandboxes;
+      if (page.nextCursor === null) return;
+      cursor = page.nextCursor;
+    }
+  }
+
+  /** Metered use in [from, to) (Unix seconds) of this key; an admin key may ask for `key` (or "*"). */
+  async usage(options: { from?: number; to?: number; key?: string } = {}): Promise<Usage> {
+    return parseUsage(await this._transport.json(calls.usage(options.from, options.to, options.key)));
   }
 
   /** Destroy a sandbox; false if it did not exist. */

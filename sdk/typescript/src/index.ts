@@ -10,7 +10,7 @@
  * ```
  */
 
-export { AgentBox, DEFAULT_TEMPLATE, type CreateOptions } from "./client.js";
+export { AgentBox, DEFAULT_TEMPLATE, type CreateOptions, type ListOptions } from "./client.js";
 export { Sandbox, type ExecOptions, type RunCodeOptions } from "./sandbox.js";
 export {
   CommandHandle, Commands, MAX_REATTACH, reattachDelay, type CommandOptions, type OutputCallback,
@@ -19,17 +19,18 @@ export {
 export { Files, type Progress, type TransferOptions, type WriteData } from "./files.js";
 export { Session, Sessions } from "./sessions.js";
 export { Terminal, type TerminalOptions } from "./terminal.js";
-export type { SessionSpec } from "./calls.js";
+export type { ListFilters, SessionSpec } from "./calls.js";
 export {
   CommandResult, ExecResult, Execution, ExecutionError, Result,
   type CodeContext, type FileInfo, type OutputChunk, type PreviewAccess, type ProcessInfo,
   type SandboxInfo, type SandboxState, type ServerInfo, type SessionView, type StartState,
-  type Template,
+  type Template, type SandboxPage, type Usage, type KeyUsage, type SandboxUsage, type UsageFigures,
+  type SandboxMetrics, type SandboxLogs, type SandboxEvent,
 } from "./models.js";
 /** The API's JSON answers parsed into the models above (what the client does with them). */
 export {
-  parseContext, parseFileInfo, parsePreview, parseProcess, parseSandbox, parseServerInfo,
-  parseSessionView, parseTemplate,
+  parseContext, parseFileInfo, parseLogs, parseMetrics, parsePreview, parseProcess, parseSandbox,
+  parseSandboxPage, parseServerInfo, parseSessionView, parseTemplate, parseUsage,
 } from "./models.js";
 export { ExecutionBuilder, CommandOutput, type RunNotice } from "./streams.js";
 export { DEFAULT_TIMEOUT, DEFAULT_URL, type ClientOptions, type Event } from "./transport.js";

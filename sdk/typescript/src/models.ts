@@ -50,6 +50,12 @@ export interface SandboxInfo {
   previewToken: string | null;
   publicPorts: number[];
   previewUrlTemplate: string | null;
+  /** Unix time its ttl ends (null: no ttl). */
+  expiresAt: number | null;
+  /** Seconds suspended (or failed) before it is deleted (0 = never). */
+  autoDeleteAfter: number;
+  /** While asleep: when `autoDeleteAfter` ends. */
+  deleteAt: number | null;
 }
 
 export function parseSandbox(data: unknown): SandboxInfo {
@@ -66,6 +72,116 @@ export function parseSandbox(data: unknown): SandboxInfo {
     failure: strOrNull(d.failure), previewToken: strOrNull(d.preview_token),
     publicPorts: Array.isArray(d.public_ports) ? d.public_ports.map(Number) : [],
     previewUrlTemplate: strOrNull(d.preview_url_template),
+    expiresAt: numOrNull(d.expires_at), autoDeleteAfter: num(d.auto_delete_after) ?? 0,
+    deleteAt: numOrNull(d.delete_at),
+  };
+}
+
+/** One page of `GET /v1/sandboxes`; `nextCursor` is null on the last page. */
+export interface SandboxPage {
+  sandboxes: SandboxInfo[];
+  nextCursor: string | null;
+}
+
+export function parseSandboxPage(data: unknown): SandboxPage {
+  const d = obj(data, "sandbox list");
+  const items = need(d, "sandboxes", "sandbox list");
+  return { sandboxes: (Array.isArray(items) ? items : []).map(parseSandbox),
+           nextCursor: strOrNull(d.next_cursor) };
+}
+
+/** Metered use of a sandbox (or, with `sandboxes`, of a key) in a window. */
+export interface UsageFigures {
+  awakeSeconds: number;
+  vcpuSeconds: number;
+  gibSeconds: number;
+  suspendedSeconds: number;
+  snapshotGibHours: number;
+  restores: number;
+  created: number;
+  destroyed: number;
+}
+
+export interface SandboxUsage extends UsageFigures { sandboxId: string; key: string }
+export interface KeyUsage extends UsageFigures { key: string; sandboxes: SandboxUsage[] }
+export interface Usage { from: number; to: number; keys: KeyUsage[] }
+
+function figures(d: Json): UsageFigures {
+  return {
+    awakeSeconds: num(d.awake_seconds) ?? 0, vcpuSeconds: num(d.vcpu_seconds) ?? 0,
+    gibSeconds: num(d.gib_seconds) ?? 0, suspendedSeconds: num(d.suspended_seconds) ?? 0,
+    snapshotGibHours: num(d.snapshot_gib_hours) ?? 0, restores: num(d.restores) ?? 0,
+    created: num(d.created) ?? 0, destroyed: num(d.destroyed) ?? 0,
+  };
+}
+
+function parseSandboxUsage(data: unknown): SandboxUsage {
+  const d = obj(data, "usage");
+  return { sandboxId: str(need(d, "sandbox_id", "usage")), key: str(d.key), ...figures(d) };
+}
+
+function parseKeyUsage(data: unknown): KeyUsage {
+  const d = obj(data, "usage");
+  const items = Array.isArray(d.sandboxes) ? d.sandboxes : [];
+  return { key: str(need(d, "key", "usage")), ...figures(d), sandboxes: items.map(parseSandboxUsage) };
+}
+
+export function parseUsage(data: unknown): Usage {
+  const d = obj(data, "usage");
+  return { from: num(need(d, "from", "usage")) ?? 0, to: num(need(d, "to", "usage")) ?? 0,
+           keys: (Array.isArray(d.keys) ? d.keys : []).map(parseKeyUsage) };
+}
+
+/** A sandbox's resource use as the host sees it (its VMM's cgroup or /proc). */
+export interface SandboxMetrics {
+  sandboxId: string;
+  state: SandboxState;
+  vmmPid: number | null;
+  /** "cgroup", "proc", or null (no VM running). */
+  source: string | null;
+  cpuSeconds: number | null;
+  memoryBytes: number | null;
+  rssBytes: number | null;
+  diskBytes: number;
+  snapshotBytes: number;
+  at: number;
+}
+
+export function parseMetrics(data: unknown): SandboxMetrics {
+  const d = obj(data, "metrics");
+  return {
+    sandboxId: str(need(d, "sandbox_id", "metrics")), state: str(need(d, "state", "metrics")),
+    vmmPid: numOrNull(d.vmm_pid), source: strOrNull(d.source), cpuSeconds: numOrNull(d.cpu_seconds),
+    memoryBytes: numOrNull(d.memory_bytes), rssBytes: numOrNull(d.rss_bytes),
+    diskBytes: num(need(d, "disk_bytes", "metrics")) ?? 0, snapshotBytes: num(d.snapshot_bytes) ?? 0,
+    at: num(need(d, "at", "metrics")) ?? 0,
+  };
+}
+
+export interface SandboxEvent { at: number; from: string | null; to: string; event: string; cause: string }
+
+/** A sandbox's console log tail (lines) and its state transitions. */
+export interface SandboxLogs {
+  sandboxId: string;
+  console: string[];
+  truncated: boolean;
+  events: SandboxEvent[];
+}
+
+function parseEvent(data: unknown): SandboxEvent {
+  const d = obj(data, "event");
+  return { at: num(d.at) ?? 0, from: strOrNull(d.from), to: str(d.to), event: str(d.event), cause: str(d.cause) };
+}
+
+export function parseLogs(data: unknown): SandboxLogs {
+  const d = obj(data, "logs");
+  const lines = need(d, "console", "logs");
+  const events = need(d, "events", "logs");
+  return {
+    sandboxId: str(need(d, "sandbox_id", "logs")),
+    console: (Array.isArray(lines) ? lines : []).map((l) => str(l)),
+    truncated: Boolean(d.truncated),
+    events: (Array.isArray(events) ? events : []).map(parseEvent),
   };
 }
 

@@ -13,9 +13,9 @@ import { Commands } from "./commands.js";
 import { SandboxNotFoundError } from "./errors.js";
 import { Files, type TransferOptions, type WriteData } from "./files.js";
 import {
-  Execution, ExecResult, parseContext, parsePreview, parseSandbox,
+  Execution, ExecResult, parseContext, parseLogs, parseMetrics, parsePreview, parseSandbox,
   type CodeContext, type ExecutionError, type FileInfo, type PreviewAccess, type Result,
-  type SandboxInfo,
+  type SandboxInfo, type SandboxLogs, type SandboxMetrics,
 } from "./models.js";
 import { ExecutionBuilder, type RunNotice } from "./streams.js";
 import type { Call, ClientOptions, Event, Transport } from "./transport.js";
@@ -266,11 +266,23 @@ export class Sandbox {
     return this.update({ idleTimeout: seconds });
   }
 
-  async update(fields: { idleTimeout?: number; metadata?: Record<string, unknown>; publicPorts?: number[] }):
-    Promise<SandboxInfo> {
-    const call = calls.updateSandbox(this.id, fields.idleTimeout, fields.metadata, fields.publicPorts);
+  /** `ttl` counts from now (extend it; 0 = no deadline). */
+  async update(fields: { idleTimeout?: number; metadata?: Record<string, unknown>; publicPorts?: number[];
+                         ttl?: number; autoDeleteAfter?: number }): Promise<SandboxInfo> {
+    const call = calls.updateSandbox(this.id, fields.idleTimeout, fields.metadata, fields.publicPorts, fields.ttl,
+                                     fields.autoDeleteAfter);
     this.info = parseSandbox(await this._t.json(call));
     return this.info;
+  }
+
+  /** CPU seconds and memory of its VM and its disk use, read on the host (never wakes it). */
+  async metrics(): Promise<SandboxMetrics> {
+    return parseMetrics(await this._t.json(calls.sandboxMetrics(this.id)));
+  }
+
+  /** The last `tail` lines of its console (default 200) and its state changes. */
+  async logs(tail?: number): Promise<SandboxLogs> {
+    return parseLogs(await this._t.json(calls.sandboxLogs(this.id, tail)));
   }
 
   /** Destroy the sandbox; false if it was already gone. */

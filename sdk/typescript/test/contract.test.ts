@@ -10,8 +10,8 @@ import assert from "node:assert/strict";
 import { before, describe, test } from "node:test";
 
 import {
-  ExecResult, Execution, parseContext, parseFileInfo, parsePreview, parseProcess, parseSandbox,
-  parseServerInfo, parseSessionView, parseTemplate,
+  ExecResult, Execution, parseContext, parseFileInfo, parseLogs, parseMetrics, parsePreview, parseProcess,
+  parseSandbox, parseSandboxPage, parseServerInfo, parseSessionView, parseTemplate, parseUsage,
 } from "@agentbox/sdk";
 
 const URL_ = process.env.AGENTBOX_URL;
@@ -25,6 +25,7 @@ const PARSERS: Record<string, (data: unknown) => unknown> = {
   Sandbox: parseSandbox, Template: parseTemplate, Info: parseServerInfo, Preview: parsePreview,
   FileInfo: parseFileInfo, ProcessInfo: parseProcess, ContextInfo: parseContext,
   Session: parseSessionView, ExecResult: (d) => ExecResult.parse(d), Execution: (d) => Execution.parse(d),
+  SandboxList: parseSandboxPage, Usage: parseUsage, SandboxMetrics: parseMetrics, SandboxLogs: parseLogs,
 };
 
 /** A value of the schema's type (objects: every property filled in). */
