@@ -84,13 +84,7 @@ async def healthz(request: web.Request) -> web.Response:
                           "templates": sorted(svc.goldens)})
 
 
-@routes.get("/v1/templates")
-async def list_templates(request: web.Request) -> web.Response:
-    svc = _service(request)
-    return json_response({"templates": [
-        {"name": g.template, "mem_mib": g.mem_mib, "default": g.template ==
-         svc.config.sandbox.default_template} | resources.template_view(
-             g, svc.config.resources.for_template(g.template)) for g in svc.goldens.values()]})
+# /v1/templates and /snapshot, /fork: gateway/api_templates.py
 
 
 @routes.post("/v1/sandboxes")

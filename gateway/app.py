@@ -15,7 +15,18 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import api, api_interp, api_keys, at_rest, metrics, openapi, pool, preview, terminal
+from gateway import (
+    api,
+    api_interp,
+    api_keys,
+    api_templates,
+    at_rest,
+    metrics,
+    openapi,
+    pool,
+    preview,
+    terminal,
+)
 from gateway import api_controls
 from gateway.config import Config
 from gateway.middleware import (
@@ -104,6 +115,7 @@ def build_app(config: Config) -> web.Application:
     app[terminal.MAX_WS_KEY] = config.server.max_ws_message_bytes
     app.add_routes(api.routes)
     app.add_routes(api_interp.routes)
+    app.add_routes(api_templates.routes)
     app.add_routes(api_controls.routes)
     app.add_routes(api_keys.routes)
     app.add_routes(metrics.routes)

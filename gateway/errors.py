@@ -95,6 +95,7 @@ ERROR_CODES: dict[str, str] = {
     "bad_session_name": "a session name is not a DNS label",
     "websocket_required": "the endpoint is a WebSocket: send an Upgrade",
     "invalid_resources": "vcpus, memory_mib or disk_mib is not possible (see the message)",
+    "bad_template_name": "a template name is not 1-63 characters of [a-z0-9._-]",
     "http_error": "any other HTTP error from the web framework",
     # 401/403: who is asking
     "unauthorized": "not authenticated",
@@ -120,6 +121,8 @@ ERROR_CODES: dict[str, str] = {
     "stdin_closed": "the process's stdin was already closed",
     "context_exists": "an interpreter context of that name exists",
     "session_name_taken": "another key's session has that name",
+    "template_exists": "the key has a template of that name, or it is a built-in's",
+    "template_builtin": "built-in templates cannot be deleted",
     "session_not_ready": "the session's sandbox is not ready yet",
     "suspend_cancelled": "a request arrived while suspending; the sandbox stays up",
     "quota_exceeded": "a key's quota (max_sandboxes, max_awake, max_disk_mib)",
@@ -160,6 +163,7 @@ ERROR_CODES: dict[str, str] = {
     "upstream_timeout": "the sandbox's app did not answer in time",
     "hold_queue_full": "too many requests wait for this sandbox to wake",
     "sandbox_limit": "the host is at capacity",
+    "template_building": "the template is still being built; see Retry-After",
     "unavailable": "the host is busy; see Retry-After",
     "no_space": "the sandbox's disk is full",
 }

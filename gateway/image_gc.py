@@ -3,8 +3,8 @@
 Builds are never deleted automatically: a sandbox's disk layer uses its
 template build's golden disk as a qcow2 backing file, so deleting a build in use
 destroys that sandbox's disk. ``plan`` lists what can go: every build of a
-template except its newest, and except builds that a live sandbox (in any of
-the given registries) was made from. Several daemons may share one images
+template except its newest, and except builds that a live sandbox or a tenant
+template (in any of the given registries) was made from. Several daemons may share one images
 directory, so the operator passes every data directory that uses it.
 """
 
@@ -47,6 +47,9 @@ def in_use(data_dirs: list[Path]) -> set[Path]:
         registry = Registry(db)
         try:
             used |= {Path(rec.golden).parent.resolve() for rec in registry.list()}
+            # Tenant templates' disks are overlays over a built-in build (gateway/templates.py).
+            used |= {Path(t["base"]).parent.resolve() for t in registry.list_templates()
+                     if t["base"]}
         finally:
             registry.close()
     return used

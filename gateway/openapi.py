@@ -155,7 +155,9 @@ def _gateway_schemas() -> dict[str, Any]:
     run_event = _obj({
         "type": {"type": "string", "enum": ["stdout", "stderr", "result", "error", "end"]},
         "data": _STR, "result": _ref("Result"), "error": _ref("ExecutionError"),
-        "execution_count": _INT, "duration_ms": _NUM}, ("type",),
+        "execution_count": _INT, "duration_ms": _NUM,
+        "files": {"type": "array", "items": _ref("OutputFile"), "description":
+                  "on `end`: files the run created or changed under /output/"}}, ("type",),
         description="one NDJSON line of a streamed run_code")
     return {
         "Error": _obj({"error": _obj({"code": _ref("ErrorCode"), "message": _STR},
@@ -184,9 +186,23 @@ def _gateway_schemas() -> dict[str, Any]:
                                             "(replaces the list)"},
             "egress": _EGRESS_IN},
             additionalProperties=False),
-        "Template": _obj({"name": _STR, "mem_mib": _INT, "default": _BOOL, **_TEMPLATE_SHAPE},
-                         ("name",)),
+        "Template": _obj({
+            "name": _STR, "mem_mib": _INT, "default": _BOOL, **_TEMPLATE_SHAPE,
+            "owner": {"type": "string", "enum": ["builtin", "tenant"]},
+            "source": {"type": "string", "enum": ["builtin", "snapshot", "fork", "dockerfile"]},
+            "state": {"type": "string", "enum": ["ready", "building", "deleting"]},
+            "progress": {"type": "string", "description": "while building"},
+            "created_at": _NUM, "size_bytes": _INT, "from_sandbox": _STR,
+            "paused_ms": {"type": "number", "description": "snapshot only: how long the "
+                          "source sandbox was paused"}}, ("name",)),
         "TemplateList": _list_of("templates", "Template"),
+        "SnapshotRequest": _obj({"template": {
+            "type": "string", "pattern": "^[a-z0-9][a-z0-9._-]{0,62}$",
+            "description": "the new template's name (the key's own; not a built-in's)"}},
+            ("template",), additionalProperties=False),
+        "ForkRequest": _obj({"count": {"type": "integer", "minimum": 1, "maximum": 8,
+                                       "default": 1}}, additionalProperties=False),
+
         "Health": _obj({"status": _STR, "vmm": _STR, "accel": _STR, "accel_reason": _STR,
                         "templates": {"type": "array", "items": _STR}}, ("status",)),
         "Info": _obj({"version": _STR, "preview_domain": _STR, "session_domain": _STR,
@@ -303,7 +319,7 @@ def _key_schemas() -> dict[str, Any]:
     }
 
 
-_PROTOCOL = (p.ExecRequest, p.ExecResult, p.FileInfo, p.DirListing, p.RunCodeRequest,
+_PROTOCOL = (p.ExecRequest, p.ExecResult, p.OutputFile, p.FileInfo, p.DirListing, p.RunCodeRequest,
              p.ExecutionError, p.CreateContextRequest, p.ContextInfo, p.CommandRequest,
              p.ProcessInfo, p.SignalRequest)
 
@@ -380,7 +396,18 @@ OPS: tuple[Op, ...] = (
     Op("GET", "/healthz", "Daemon health (no key needed)", "meta", returns="Health"),
     Op("GET", "/v1/info", "Server version and preview URL template", "meta", returns="Info"),
     Op("GET", "/v1/openapi.json", "This document", "meta", returns="object"),
-    Op("GET", "/v1/templates", "List templates", "templates", returns="TemplateList"),
+    Op("GET", "/v1/templates", "List templates: built-in and the key's own", "templates",
+       returns="TemplateList"),
+    Op("GET", "/v1/templates/{name}", "Get a template", "templates", returns="Template",
+       errors=(404,)),
+    Op("DELETE", "/v1/templates/{name}", "Delete one of the key's templates (its files stay "
+       "until no sandbox made from it is left)", "templates", 204, errors=(404, 409)),
+    Op("POST", _SB + "/snapshot", "Save a running (or sleeping: woken first) sandbox as a "
+       "template of the key's", "templates", 201, "SnapshotRequest", "Template",
+       (400,) + _SANDBOX_ERRORS),
+    Op("POST", _SB + "/fork", "Make count new sandboxes in this one's state (files, "
+       "processes, memory)", "sandboxes", 201, "ForkRequest", "SandboxList",
+       (400,) + _SANDBOX_ERRORS),
     Op("POST", "/v1/keys", "Create an API key (admin key only)", "keys", 201,
        "CreateKeyRequest", "CreatedKey", (400, 403)),
     Op("GET", "/v1/keys", "List API keys (admin key only)", "keys", returns="KeyList",
@@ -430,7 +457,7 @@ OPS: tuple[Op, ...] = (
     Op("POST", _SB + "/preview-token", "Rotate the preview token", "preview",
        returns="Preview", errors=(404,)),
     Op("PUT", "/v1/sessions/{name}", "Create or get a named long-lived session (idempotent)",
-       "sessions", 201, "SessionSpec", "Session", (400, 409) + _SANDBOX_ERRORS,
+       "sessions", 201, "SessionSpec", "Session", (400,) + _SANDBOX_ERRORS,
        description="201 when created, 200 when it already existed."),
     Op("GET", "/v1/sessions", "List sessions", "sessions", returns="SessionList"),
     Op("GET", "/v1/sessions/{name}", "Get a session", "sessions", returns="Session",

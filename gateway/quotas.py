@@ -159,6 +159,13 @@ def check_create(key_id: str, limits: Limits, usage: Usage, disk_mib: int = 0) -
     check_wake(key_id, limits, usage)
 
 
+def check_fork(key_id: str, limits: Limits, usage: Usage, count: int) -> None:
+    """Raise ``QuotaExceeded`` unless ``count`` more (awake) sandboxes fit the key's limits."""
+    for i in range(count):
+        check_create(key_id, limits, Usage(usage.sandboxes + i, usage.awake + i,
+                                           usage.disk_bytes))
+
+
 def check_wake(key_id: str, limits: Limits, usage: Usage) -> None:
     """Raise ``QuotaExceeded`` if one more awake sandbox would break ``max_awake``."""
     if limits.max_awake and usage.awake >= limits.max_awake:

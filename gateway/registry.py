@@ -50,6 +50,11 @@ CREATE TABLE IF NOT EXISTS sessions (
   start TEXT, start_state TEXT NOT NULL DEFAULT 'none', start_pid INTEGER, start_error TEXT,
   metadata TEXT NOT NULL DEFAULT '{}', created_at REAL NOT NULL, updated_at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS sessions_tenant ON sessions(tenant, name);
+CREATE TABLE IF NOT EXISTS templates (
+  id TEXT PRIMARY KEY, tenant TEXT NOT NULL, name TEXT NOT NULL, golden_dir TEXT NOT NULL,
+  source TEXT NOT NULL, state TEXT NOT NULL, created_at REAL NOT NULL,
+  parent TEXT, base TEXT, size_bytes INTEGER NOT NULL DEFAULT 0, meta TEXT NOT NULL DEFAULT '{}');
+CREATE INDEX IF NOT EXISTS templates_tenant ON templates(tenant, name);
 CREATE TABLE IF NOT EXISTS daemon_runs (
   id INTEGER PRIMARY KEY AUTOINCREMENT, started_at REAL NOT NULL, heartbeat REAL NOT NULL);
 """
@@ -301,6 +306,28 @@ class Registry:
 
     def delete_session(self, name: str) -> None:
         self._db.execute("DELETE FROM sessions WHERE name = ?", (name,))
+
+    # -- tenant templates (gateway/templates.py decides; this stores) ---------------
+
+    def insert_template(self, row: dict[str, Any]) -> None:
+        row = {k: _encode(v) for k, v in row.items()}
+        self._db.execute(f"INSERT INTO templates ({', '.join(row)}) VALUES "
+                         f"({', '.join('?' for _ in row)})", list(row.values()))
+
+    def list_templates(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        sql, args = "SELECT * FROM templates", []
+        if tenant is not None:
+            sql, args = sql + " WHERE tenant = ?", [tenant]
+        rows = self._db.execute(sql + " ORDER BY created_at", args)
+        return [dict(r) | {"meta": json.loads(r["meta"] or "{}")} for r in rows]
+
+    def update_template(self, template_id: str, **updates: Any) -> None:
+        row = {k: _encode(v) for k, v in updates.items()}
+        self._db.execute(f"UPDATE templates SET {', '.join(f'{k} = ?' for k in row)} "
+                         "WHERE id = ?", [*row.values(), template_id])
+
+    def delete_template(self, template_id: str) -> None:
+        self._db.execute("DELETE FROM templates WHERE id = ?", (template_id,))
 
     # -- internals ----------------------------------------------------------------
 

@@ -25,12 +25,13 @@ from typing import Any
 from gateway import lifetimes, pause, pool, quotas, resources
 from gateway.config import Config
 from gateway.controller import HoldCounter, SandboxController, Wake, WakePolicy
-from gateway.errors import BadRequest, Conflict, SandboxNotFound, TemplateNotFound, Unavailable
+from gateway.errors import BadRequest, Conflict, SandboxNotFound, Unavailable
 from gateway.lifecycle import State
 from gateway.metrics import Metrics
 from gateway.registry import Registry, SandboxRecord
 from gateway.egress_api import policy_of
 from gateway.shapes import ShapeGoldens
+from gateway.templates import TemplateCatalog
 from vmctl import network
 from vmctl.backend import Backend
 from vmctl.golden import BUILD_SLOTS, Golden, load_golden_dir
@@ -58,6 +59,8 @@ class SandboxService:
         self._controllers: dict[str, SandboxController] = {}
         self._tasks: set[asyncio.Task] = set()
         self._golden_cache: dict[str, Golden] = {str(g.dir): g for g in goldens.values()}
+        self.templates = TemplateCatalog(registry, config.server.data_dir / "templates", goldens,
+                                         config.sandbox.templates)
         self._idle_task: asyncio.Task | None = None
         size = config.pool.size if config.pool.size >= 0 else \
             pool.auto_size(pool.mem_total_mib(), len(goldens))
@@ -89,11 +92,10 @@ class SandboxService:
                      egress: dict[str, Any] | None = None,
                      shape_request: resources.ShapeRequest | None = None) -> SandboxRecord:
         template = template or self.config.sandbox.default_template
-        golden = self.goldens.get(template)
-        if golden is None:
-            raise TemplateNotFound(f"template {template!r} not found; available: "
-                                   f"{', '.join(sorted(self.goldens)) or 'none'}")
-        shape = self.shape_for(tenant, template, shape_request or resources.ShapeRequest())
+        golden = self.templates.resolve(tenant, template)
+        builtin = self.goldens.get(template) is golden
+        shape = self.shape_for(tenant, template, shape_request or resources.ShapeRequest(),
+                               golden)
         # Checked before a possibly long golden build, and again (synchronously) by _reserve.
         limits = self.limits(tenant)
         quotas.check_create(tenant, limits, self._usage(tenant, bool(limits.max_disk_mib)),
@@ -101,8 +103,8 @@ class SandboxService:
         await self.make_room(tenant)
         times = lifetimes.at_create(lifetime or lifetimes.Lifetimes(), self.config.sandbox,
                                     time.time())
-        if shape == resources.Shape(golden.vcpus, golden.mem_mib, golden.disk_mib):
-            # The pool holds the template's default shape only.
+        if builtin and shape == resources.Shape(golden.vcpus, golden.mem_mib, golden.disk_mib):
+            # The pool holds the built-in templates' default shapes only.
             claimed = await self.pool.claim(tenant, template, metadata,
                                             self.config.sandbox.idle_timeout
                                             if idle_timeout is None else idle_timeout, times)
@@ -111,7 +113,12 @@ class SandboxService:
                 # policy (until then the guest ran only its agent, under the host default).
                 return claimed if egress is None else await self.set_egress(
                     tenant, claimed.id, egress)
-        golden = await self.shapes.get(template, shape.vcpus, shape.memory_mib)
+        if builtin:
+            golden = await self.shapes.get(template, shape.vcpus, shape.memory_mib)
+        elif (shape.vcpus, shape.memory_mib) != (golden.vcpus, golden.mem_mib):
+            raise BadRequest(f"template {template!r} is a snapshot of {golden.vcpus} vCPU(s) and "
+                             f"{golden.mem_mib} MiB: its sandboxes have that shape (a bigger "
+                             "disk_mib is possible)", code="invalid_resources")
         rec = self._reserve(tenant, template, golden, metadata, idle_timeout, shape,
                             {**times, "egress": egress})
         ctl = self.controller(rec)
@@ -119,12 +126,15 @@ class SandboxService:
         await ctl.create()
         return ctl.rec
 
-    def shape_for(self, tenant: str, template: str,
-                  request: resources.ShapeRequest) -> resources.Shape:
-        """The shape a create gets (gateway.resources decides; 400/403 if refused)."""
-        golden, cfg, key = self.goldens[template], self.config.resources, self.limits(tenant)
+    def shape_for(self, tenant: str, template: str, request: resources.ShapeRequest,
+                  golden: Golden | None = None) -> resources.Shape:
+        """The shape a create gets (gateway.resources decides; 400/403 if refused).
+        ``golden``: what the template resolved to (a tenant's template: its snapshot, whose
+        limits are those of the built-in template it was made from)."""
+        golden = golden or self.goldens[template]
+        cfg, key = self.config.resources, self.limits(tenant)
         default = resources.Shape(golden.vcpus, golden.mem_mib, golden.disk_mib)
-        shape = resources.resolve(request, default, cfg.for_template(template),
+        shape = resources.resolve(request, default, cfg.for_template(golden.template),
                                   resources.ResourceLimits(key.max_vcpus, key.max_memory_mib,
                                                            key.max_sandbox_disk_mib),
                                   cfg.min_memory_mib)
@@ -147,7 +157,7 @@ class SandboxService:
         limits = self.limits(tenant)
         shape = shape or resources.Shape(golden.vcpus, golden.mem_mib, golden.disk_mib)
         quotas.check_create(tenant, limits, self._usage(tenant, measure_disk=bool(
-            limits.max_disk_mib)), self._counted_disk(self.goldens[template], shape))
+            limits.max_disk_mib)), self._counted_disk(golden, shape))
         used = self.registry.used_slots()
         if len(used) >= self.config.sandbox.max_sandboxes:
             raise Unavailable(f"this host is at its limit of {self.config.sandbox.max_sandboxes} "
@@ -182,6 +192,7 @@ class SandboxService:
         ctl = self.controller(self.get(tenant, sandbox_id))
         await ctl.destroy("deleted by API")
         self.forget(sandbox_id)
+        self.templates.collect()  # a deleted template's files may have waited for this one
 
     def update(self, tenant: str, sandbox_id: str, idle_timeout: float | None,
                metadata: dict[str, Any] | None,
@@ -252,6 +263,7 @@ class SandboxService:
     def _usage(self, tenant: str, measure_disk: bool = False) -> quotas.Usage:
         recs = self.registry.list(tenant)
         disk = sum(tree_bytes(Path(r.root)) for r in recs) if measure_disk else 0
+        disk += self.templates.disk_bytes(tenant) if measure_disk else 0
         return quotas.usage_of((r.state for r in recs), disk)
 
     def _check_wake(self, tenant: str, ctl: SandboxController) -> None:
@@ -333,6 +345,7 @@ class SandboxService:
             log.warning("task %s failed: %s", task.get_name(), task.exception())
 
     def start(self) -> None:
+        self.templates.collect(startup=True)
         self._idle_task = self.spawn(self._idle_loop(), "idle-loop")
         self.pool.start()
         self.run_id = self.registry.start_run()  # after recovery: its transitions are before

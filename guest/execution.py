@@ -25,6 +25,7 @@ to that child alike (it is a session leader with our pipes as fds 1 and 2).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import os
 import signal
@@ -34,6 +35,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from guest.errors import AgentError, BadRequest, InvalidCwd
+from guest import outputs
 from guest.protocol import MAX_OUTPUT_BYTES, ExecRequest, ExecResult
 
 if TYPE_CHECKING:
@@ -173,6 +175,7 @@ class Executor:
         self.shell = shell or find_shell()
         self.env = default_env(self.shell)
         self.zygote: ZygoteManager | None = None  # Python code forks from it when set
+        self.output_dir = outputs.OUTPUT_DIR  # result.files: what a run changed in it
 
     async def run(self, req: ExecRequest) -> ExecResult:
         env = {**self.env, **req.env}
@@ -180,13 +183,16 @@ class Executor:
         script = None
         if req.code is not None and req.language == "python":
             script = _write_script(req.code)  # a file, not -c: real tracebacks, no ARG_MAX
+        before = await asyncio.to_thread(outputs.scan, self.output_dir)
         try:
             spawned = None
             if script is not None and self.zygote is not None:
                 spawned = await _fork_from_zygote(self.zygote, script, cwd, env)
             if spawned is None:
                 spawned = await _spawn(self._argv(req, script), cwd, env)
-            return await self._run(spawned, req.timeout)
+            result = await self._run(spawned, req.timeout)
+            after = await asyncio.to_thread(outputs.scan, self.output_dir)
+            return dataclasses.replace(result, files=outputs.changed(before, after))
         finally:
             if script:
                 _unlink_quietly(script)

@@ -167,6 +167,8 @@ def _guard(fn, *args):  # type: ignore[no-untyped-def]
 def setup_system(cfg: Config) -> None:
     """Hostname, limits, networking; each step independent of the others' failure."""
     _guard(socket.sethostname, HOSTNAME)
+    for path in ("/input", "/output"):  # relative uploads land in /input; see guest/outputs.py
+        _guard(os.makedirs, path, 0o777, True)
     _guard(_libc.reboot, RB_DISABLE_CAD)  # ctrl-alt-del becomes SIGINT to us
     _guard(_raise_nofile)
     if cfg.dns:

@@ -39,6 +39,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from guest.errors import AgentError, InvalidCwd, NotFound
+from guest import outputs
 from guest.execution import READ_CHUNK, kill_group
 from guest.protocol import (
     DEFAULT_CONTEXT,
@@ -47,6 +48,7 @@ from guest.protocol import (
     CreateContextRequest,
     Execution,
     ExecutionError,
+    OutputFile,
     RunCodeRequest,
 )
 
@@ -447,7 +449,8 @@ class ExecutionCollector:
     def result(self) -> Execution:
         return Execution("".join(self.out["stdout"]), "".join(self.out["stderr"]),
                          self.results, self.error, self.end.get("execution_count", 0),
-                         self.end.get("duration_ms", 0.0), self.truncated)
+                         self.end.get("duration_ms", 0.0), self.truncated,
+                         OutputFile.list_from(self.end.get("files", [])))
 
 
 class Interpreter:
@@ -459,6 +462,7 @@ class Interpreter:
         self.python = python or sys.executable or "python3"
         self.max_contexts = max_contexts
         self.contexts: dict[str, Context] = {}
+        self.output_dir = outputs.OUTPUT_DIR  # result.files: what a run changed in it
 
     @property
     def running(self) -> int:
@@ -492,7 +496,15 @@ class Interpreter:
             if req.context != DEFAULT_CONTEXT:
                 raise ContextNotFound(f"context {req.context!r} not found; create it first")
             ctx = self._add(DEFAULT_CONTEXT, None, {})
-        await ctx.run(req, emit)
+        before = await asyncio.to_thread(outputs.scan, self.output_dir)
+
+        async def emit_with_files(event: dict[str, Any]) -> None:
+            if event.get("type") == "end":  # the run is over: list what it wrote
+                after = await asyncio.to_thread(outputs.scan, self.output_dir)
+                event = {**event, "files": [f.to_dict() for f in outputs.changed(before, after)]}
+            await emit(event)
+
+        await ctx.run(req, emit_with_files)
 
     def _add(self, name: str, cwd: str | None, env: dict[str, str]) -> Context:
         if len(self.contexts) >= self.max_contexts:

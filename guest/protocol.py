@@ -28,7 +28,7 @@ Code interpreter (stateful Python contexts; ``guest/interpreter.py``):
   POST   /run_code            RunCodeRequest -> Execution, or with ``stream`` NDJSON lines:
                               {"type": "stdout"|"stderr", "data"}, {"type": "result", "result"},
                               {"type": "error", "error": ExecutionError}, then
-                              {"type": "end", "execution_count", "duration_ms"}
+                              {"type": "end", "execution_count", "duration_ms", "files"}
 
 Commands (background processes with reattachable output; ``guest/processes.py``):
 
@@ -170,6 +170,27 @@ class ExecRequest:
 
 
 @dataclass(frozen=True)
+class OutputFile:
+    """A file under /output/ that a run created or changed (guest/outputs.py)."""
+
+    path: str
+    size: int
+
+    @classmethod
+    def from_dict(cls, data: object) -> OutputFile:
+        return _from_dict(cls, data)
+
+    @classmethod
+    def list_from(cls, data: object) -> list[OutputFile]:
+        if not isinstance(data, list):
+            raise ProtocolError("'files' must be a list")
+        return [f if isinstance(f, OutputFile) else cls.from_dict(f) for f in data]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class ExecResult:
     stdout: str
     stderr: str
@@ -177,9 +198,13 @@ class ExecResult:
     duration_ms: float
     timed_out: bool = False
     truncated: bool = False
+    # Files the run created or changed under /output/ (guest/outputs.py).
+    files: list[OutputFile] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: object) -> ExecResult:
+        if isinstance(data, dict) and "files" in data:
+            data = {**data, "files": OutputFile.list_from(data["files"])}
         return _from_dict(cls, data)
 
     def to_dict(self) -> dict[str, Any]:
@@ -241,13 +266,20 @@ class InitRequest:
     time_ns: int
     entropy_hex: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    # Set on a sandbox's first start only: its own identity (a clone of a snapshot would
+    # otherwise keep its source's). "" = leave as is.
+    hostname: str = ""
+    machine_id: str = ""
 
     @classmethod
     def from_dict(cls, data: object) -> InitRequest:
         return _from_dict(cls, data)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # Identity fields only when set: an older agent (a sandbox made from an older build)
+        # refuses fields it does not know.
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if v or k not in ("hostname", "machine_id")}
 
 
 def error_body(code: str, message: str) -> dict[str, Any]:
@@ -391,6 +423,7 @@ class Execution:
     execution_count: int
     duration_ms: float
     truncated: bool = False  # stdout or stderr passed MAX_OUTPUT_BYTES
+    files: list[OutputFile] = field(default_factory=list)  # as ExecResult.files
 
     @classmethod
     def from_dict(cls, data: object) -> Execution:
@@ -398,6 +431,8 @@ class Execution:
             raise ProtocolError("Execution must be a JSON object")
         err = data.get("error")
         data = {**data, "error": None if err is None else ExecutionError.from_dict(err)}
+        if "files" in data:
+            data["files"] = OutputFile.list_from(data["files"])
         return _from_dict(cls, data)
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,14 +1,20 @@
-"""What ``POST /init`` does after a snapshot restore: wall clock, entropy, env.
+"""What ``POST /init`` does after a snapshot restore: wall clock, entropy, env, identity.
 
 A restored VM wakes with the clock and RNG state of the moment it was saved,
 and every clone of one snapshot shares that RNG state. The host sends the real
 time and fresh random bytes; we set the clock and mix the bytes into the
-kernel pool. The two system calls are injectable so tests never touch the host.
+kernel pool. On a sandbox's first start the host also sends its own hostname and
+machine-id (every clone of a snapshot would otherwise keep its source's): we set the
+hostname and write /etc/machine-id. The system calls are injectable so tests never
+touch the host.
 """
 
 from __future__ import annotations
 
 import fcntl
+import os
+import re
+import socket
 import struct
 import time
 from collections.abc import Callable
@@ -20,6 +26,9 @@ from guest.protocol import InitRequest
 RNDADDENTROPY = 0x40085203  # _IOW('R', 0x03, int[2]) from <linux/random.h>
 RNDRESEEDCRNG = 0x5207  # _IO('R', 0x07): reseed the CRNG from the input pool now
 MAX_ENTROPY_BYTES = 4096
+MACHINE_ID_FILE = "/etc/machine-id"
+_HOSTNAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+_MACHINE_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 
 
 def set_realtime_ns(time_ns: int) -> None:
@@ -46,10 +55,20 @@ def add_entropy(data: bytes, ioctl: Callable[..., object] = fcntl.ioctl) -> None
             pass  # not root: the next scheduled reseed picks the bytes up
 
 
+def write_machine_id(machine_id: str, path: str = MACHINE_ID_FILE) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(machine_id + "\n")
+    os.chmod(tmp, 0o444)
+    os.replace(tmp, path)
+
+
 @dataclass(frozen=True)
 class SystemSetters:
     set_clock: Callable[[int], None] = set_realtime_ns
     add_entropy: Callable[[bytes], None] = add_entropy
+    set_hostname: Callable[[str], None] = socket.sethostname
+    set_machine_id: Callable[[str], None] = write_machine_id
 
 
 def check(req: InitRequest) -> bytes:
@@ -66,6 +85,11 @@ def check(req: InitRequest) -> bytes:
         raise BadRequest("'entropy_hex' must be a hex string") from exc
     if len(entropy) > MAX_ENTROPY_BYTES:
         raise BadRequest(f"'entropy_hex' is limited to {MAX_ENTROPY_BYTES} bytes")
+    if req.hostname and not (isinstance(req.hostname, str) and _HOSTNAME_RE.match(req.hostname)):
+        raise BadRequest("'hostname' must be a DNS label")
+    if req.machine_id and not (isinstance(req.machine_id, str)
+                               and _MACHINE_ID_RE.match(req.machine_id)):
+        raise BadRequest("'machine_id' must be 32 lower-case hex digits")
     return entropy
 
 
@@ -87,5 +111,12 @@ def apply(req: InitRequest, setters: SystemSetters, env: dict[str, str]) -> None
         setters.set_clock(req.time_ns)
     except OSError as exc:
         failures.append(f"clock: {exc}")
+    for value, setter, what in ((req.hostname, setters.set_hostname, "hostname"),
+                                (req.machine_id, setters.set_machine_id, "machine-id")):
+        if value:
+            try:
+                setter(value)
+            except OSError as exc:
+                failures.append(f"{what}: {exc}")
     if failures:
         raise AgentError("init incomplete: " + "; ".join(failures))

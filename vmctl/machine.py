@@ -15,17 +15,24 @@ Directory layout (``root``); the disk and memory files are the backend's
     vm/          control socket, console and VMM logs
     snapshot/    while suspended: vmstate + manifest.json (QEMU), or vmstate,
                  memory and a hard link of disk + manifest.json (Firecracker)
+
+``capture`` saves a *running* sandbox as a golden snapshot of its own (a user template or
+a fork's shared snapshot): the VM is paused, its device state written, its memory and
+disk copied (sparse/reflinked; the disk copy is a qcow2 overlay over the same backing
+file), and the VM resumed, with its clock set again, by the time it returns.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +40,7 @@ from pathlib import Path
 from guest.protocol import InitRequest
 from vmctl import disk_grow, faults, network, store
 from vmctl.agent_client import AgentClient
+from vmctl.disks import copy_sparse
 from vmctl.backend import Backend
 from vmctl.driver import Driver, kill_pid, pid_alive
 from vmctl.egress import EgressPolicy
@@ -75,6 +83,11 @@ class RestoreError(VmctlError):
 
 
 SYNC_TIMEOUT_S = 20.0  # guest filesystems flushed before a snapshot (cold-boot fallback)
+
+
+def hostname_for(vm_id: str) -> str:
+    """A sandbox's hostname (a DNS label; sandbox ids are hex)."""
+    return f"sbx-{vm_id}"[:63].lower()
 
 
 class Machine:
@@ -121,9 +134,42 @@ class Machine:
             self.backend.layout.materialise(golden.snapshot, root),
             network.create(self.plan.slot, self.backend.config.network,
                            policy=self.plan.egress, tap_owner=self.tap_owner))
-        await self._start_from(first)
+        await self._start_from(first, identity=True)
         if self.plan.disk_mib > self.plan.golden.disk_mib:
             await disk_grow.grow(self.require_agent(), self.driver, self.plan.disk_mib)
+
+    async def capture(self, dest: Path, meta: dict[str, object]) -> float:
+        """Write a golden snapshot of the running VM into ``dest`` (which must not exist)
+        and let the VM run on; returns how long the guest was paused, in ms.
+
+        A failure leaves the VM running (resumed) and ``dest`` for the caller to remove."""
+        assert self.driver is not None
+        await self._sync_guest()  # so a cold boot of a clone's disk keeps every file
+        dest.mkdir(mode=0o700, parents=True)
+        started = time.monotonic()
+        try:
+            snap = await self.driver.snapshot(dest)  # pauses; device state (+ FC memory, disk)
+            files = {}
+            for role, name in (("memory", "memory"), ("disk", self.backend.layout.disk_name)):
+                path: Path = getattr(snap, role)
+                if not path.is_relative_to(dest):  # QEMU: the VM's own files
+                    await copy_sparse(path, dest / name)
+                    path = dest / name
+                files[role] = path
+        finally:
+            if self.driver is not None and self.driver.alive():
+                await self.driver.resume()
+        paused_ms = (time.monotonic() - started) * 1000
+        if self.agent is not None:
+            await self._init_guest()  # its clock stood still while it was paused
+        saved = dataclasses.replace(snap, **files)
+        for path in (saved.disk, saved.memory, saved.state):  # read by every clone's VMM
+            if os.geteuid() == 0:  # a confined VM's files belonged to its uid
+                os.chown(path, 0, 0)
+            os.chmod(path, 0o444 if path == saved.disk else 0o400)
+        await asyncio.to_thread(store.write_manifest, dest, saved, dict(meta),
+                                hash_roles=("state",), stat_roles=("memory", "disk"))
+        return paused_ms
 
     async def suspend(self) -> None:
         """Snapshot (device state, plus memory and disk as the layout keeps them) and let
@@ -332,11 +378,13 @@ class Machine:
 
     # -- internals ------------------------------------------------------------------
 
-    async def _start_from(self, snap, consumes: Path | None = None) -> None:  # type: ignore[no-untyped-def]
+    async def _start_from(self, snap, consumes: Path | None = None,  # type: ignore[no-untyped-def]
+                          identity: bool = False) -> None:
         """Start a VMM from ``snap``. ``consumes``: the sandbox's own snapshot directory,
         marked consumed (durably) just before the guest first runs from it, so that
         after any crash nobody restores it again (the guest writes the memory file
-        and the disk it describes)."""
+        and the disk it describes). ``identity``: the sandbox's first start, so its
+        guest gets its own hostname and machine-id."""
         if snap.accel is not self.backend.accel:
             raise RestoreError(f"snapshot is for {snap.accel.value}; host runs "
                                f"{self.backend.accel.value}", guest_started=False,
@@ -358,7 +406,8 @@ class Machine:
         self.agent = AgentClient(self.plan.slot.guest_addr)
         try:
             timeout = self.backend.config.restore_timeout
-            await self.agent.init_when_ready(self._init_request, timeout, driver.alive)
+            request = self._first_init_request if identity else self._init_request
+            await self.agent.init_when_ready(request, timeout, driver.alive)
         except BaseException as exc:
             died = isinstance(exc, VMGoneError)
             await asyncio.shield(self._abort_start())
@@ -393,6 +442,12 @@ class Machine:
     def _init_request() -> InitRequest:
         # Built per attempt: the clock value must be fresh when the guest applies it.
         return InitRequest(time_ns=time.time_ns(), entropy_hex=os.urandom(64).hex())
+
+    def _first_init_request(self) -> InitRequest:
+        """Also the sandbox's own identity: every clone of one snapshot (a built-in golden,
+        a user template, a fork) would otherwise share its hostname and machine-id."""
+        return dataclasses.replace(self._init_request(), hostname=hostname_for(self.plan.vm_id),
+                                   machine_id=uuid.uuid4().hex)
 
     async def _abort_start(self) -> None:
         await self._close_agent()

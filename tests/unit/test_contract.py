@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 
 from agentbox import models
-from gateway import api, api_controls, api_keys, info, openapi
+from gateway import api, api_controls, api_keys, api_templates, info, openapi
 from gateway.config import Config, ServerConfig
 from gateway.middleware import (REGISTRY_KEY, api_error_middleware, auth_middleware,
                                 error_middleware)
@@ -52,8 +52,8 @@ async def app_client(tmp_path: Path, aiohttp_client):
     app[LIMITER_KEY] = RateLimiter(config.tenancy)
     app[ACCESS_KEY] = AccessStore(registry)
     app[info.SERVER_KEY] = config.server
-    for routes in (api.routes, api_keys.routes, info.routes, openapi.routes,
-                   api_controls.routes):
+    for routes in (api.routes, api_templates.routes, api_keys.routes, info.routes,
+                   openapi.routes, api_controls.routes):
         app.add_routes(routes)
     _, admin = registry.create_key("admin", admin=True)
     client = await aiohttp_client(app)
@@ -108,6 +108,16 @@ async def test_error_answers_carry_registered_codes(app_client):
     await call(c, "PATCH", "/v1/sandboxes/{id}", 404, "/v1/sandboxes/nope", json={})
     await call(c, "POST", "/v1/keys", 400, json={"name": 5})
     await call(c, "GET", "/v1/sandboxes", 401, headers={"Authorization": "Bearer wrong"})
+    await call(c, "GET", "/v1/templates/{name}", 200, "/v1/templates/python")
+    await call(c, "GET", "/v1/templates/{name}", 404, "/v1/templates/nope")
+    await call(c, "DELETE", "/v1/templates/{name}", 409, "/v1/templates/python")
+    await call(c, "DELETE", "/v1/templates/{name}", 404, "/v1/templates/nope")
+    await call(c, "POST", "/v1/sandboxes/{id}/snapshot", 400, "/v1/sandboxes/x/snapshot",
+               json={"template": "Bad!"})
+    await call(c, "POST", "/v1/sandboxes/{id}/snapshot", 409, "/v1/sandboxes/x/snapshot",
+               json={"template": "python"})
+    await call(c, "POST", "/v1/sandboxes/{id}/fork", 400, "/v1/sandboxes/x/fork",
+               json={"count": 99})
     await call(c, "GET", "/v1/sandboxes", 400, "/v1/sandboxes?cursor=nope")
     await call(c, "GET", "/v1/sandboxes", 400, "/v1/sandboxes?limit=100000")
     await call(c, "GET", "/v1/sandboxes", 400, "/v1/sandboxes?colour=red")

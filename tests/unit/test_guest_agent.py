@@ -30,6 +30,7 @@ class FakeSystem:
     def __init__(self, fail: bool = False) -> None:
         self.clock: list[int] = []
         self.entropy: list[bytes] = []
+        self.identity: list[tuple[str, str]] = []
         self.fail = fail
 
     def set_clock(self, time_ns: int) -> None:
@@ -41,7 +42,9 @@ class FakeSystem:
         self.entropy.append(data)
 
     def setters(self) -> SystemSetters:
-        return SystemSetters(set_clock=self.set_clock, add_entropy=self.add_entropy)
+        return SystemSetters(set_clock=self.set_clock, add_entropy=self.add_entropy,
+                             set_hostname=lambda h: self.identity.append(("hostname", h)),
+                             set_machine_id=lambda m: self.identity.append(("machine-id", m)))
 
 
 @pytest.fixture
@@ -98,7 +101,35 @@ async def test_init_sets_clock_entropy_and_env(client, system):
 
 async def test_init_without_entropy_skips_it(client, system):
     assert (await client.post("/init", json={"time_ns": 5})).status == 204
-    assert (system.clock, system.entropy) == ([5], [])
+    assert (system.clock, system.entropy, system.identity) == ([5], [], [])
+
+
+async def test_a_first_init_sets_hostname_and_machine_id(client, system):
+    body = {"time_ns": 5, "hostname": "sbx-0123abcd", "machine_id": "ab" * 16}
+    assert (await client.post("/init", json=body)).status == 204
+    assert system.identity == [("hostname", "sbx-0123abcd"), ("machine-id", "ab" * 16)]
+    for bad in ({"hostname": "Bad_Host"}, {"hostname": "-x"}, {"machine_id": "xyz"},
+                {"machine_id": "AB" * 16}, {"hostname": 3}):
+        resp = await client.post("/init", json={"time_ns": 5, **bad})
+        assert await error_of(resp) == (400, "bad_request"), bad
+    assert len(system.identity) == 2
+
+
+def test_write_machine_id_is_atomic_and_read_only(tmp_path):
+    from guest.restore import write_machine_id
+
+    path = tmp_path / "machine-id"
+    path.write_text("old\n")
+    write_machine_id("cd" * 16, str(path))
+    assert path.read_text() == "cd" * 16 + "\n" and path.stat().st_mode & 0o777 == 0o444
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["machine-id"]
+
+
+def test_init_request_sends_identity_only_when_set():
+    from guest.protocol import InitRequest
+
+    assert set(InitRequest(time_ns=1).to_dict()) == {"time_ns", "entropy_hex", "env"}
+    assert InitRequest(time_ns=1, hostname="h").to_dict()["hostname"] == "h"
 
 
 @pytest.mark.parametrize(

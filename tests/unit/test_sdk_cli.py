@@ -155,8 +155,22 @@ def test_lifecycle_templates_url(srv, capsys):
                                                          "default": True}]}))
     assert run(capsys, "suspend", "sb1")[1].startswith("sb1 suspended (")
     assert json.loads(run(capsys, "resume", "--json", "sb1")[1])["state"] == "running"
-    assert run(capsys, "templates")[1].splitlines()[1].split() == ["python", "512", "yes"]
+    assert run(capsys, "templates")[1].splitlines()[1].split() == [
+        "python", "builtin", "builtin", "ready", "512", "yes"]
     assert run(capsys, "url", "sb1", "8000")[1] == f"http://8000-sb1.localhost:{srv.port}\n"
+
+
+def test_snapshot_fork_and_templates_rm(srv, capsys):
+    srv.on("POST", SB + "/snapshot", reply({"name": "mine", "owner": "tenant",
+                                            "source": "snapshot", "paused_ms": 812.4}, 201))
+    srv.on("POST", SB + "/fork", reply({"sandboxes": [sandbox_json("f1"),
+                                                      sandbox_json("f2")]}, 201))
+    srv.on("DELETE", "/v1/templates/mine", empty())
+    assert run(capsys, "snapshot", "sb1", "mine")[1] == "mine (sandbox paused 812 ms)\n"
+    assert srv.seen("POST")[-1].json == {"template": "mine"}
+    assert run(capsys, "fork", "sb1", "-n", "2")[1].split() == ["f1", "f2"]
+    assert srv.seen("POST")[-1].json == {"count": 2}
+    assert run(capsys, "templates", "rm", "mine")[1] == "removed mine\n"
 
 
 # -- the terminal ------------------------------------------------------------------------------

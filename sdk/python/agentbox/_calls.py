@@ -15,6 +15,9 @@ from agentbox._transport import Call
 from agentbox.exceptions import InvalidArgumentError
 
 HOME = "/root"  # relative sandbox paths are taken from here (the guest's $HOME and exec cwd)
+INPUT_DIR = "/input"  # ...except for sandbox.upload(), whose relative paths land here
+OUTPUT_DIR = "/output"  # ...and sandbox.download(), which reads them from here (result.files)
+SNAPSHOT_TIMEOUT = 600.0  # a snapshot or fork copies the VM's memory and disk
 # Server-side limits get this much on top for the HTTP exchange itself.
 MARGIN = 90.0
 DEFAULT_EXEC_TIMEOUT = 60.0
@@ -112,6 +115,31 @@ def update_sandbox(sandbox_id: str, idle_timeout: float | None = None,
 
 def templates() -> Call:
     return Call("GET", "/v1/templates")
+
+
+def get_template(name: str) -> Call:
+    return Call("GET", f"/v1/templates/{quote(name, safe='')}")
+
+
+def delete_template(name: str) -> Call:
+    return Call("DELETE", f"/v1/templates/{quote(name, safe='')}")
+
+
+def snapshot_sandbox(sandbox_id: str, template: str) -> Call:
+    return Call("POST", _sb(sandbox_id, "/snapshot"), json={"template": template},
+                timeout=SNAPSHOT_TIMEOUT)
+
+
+def fork_sandbox(sandbox_id: str, count: int) -> Call:
+    return Call("POST", _sb(sandbox_id, "/fork"), json={"count": count},
+                timeout=SNAPSHOT_TIMEOUT)
+
+
+def under(directory: str, path: str) -> str:
+    """``path`` if absolute, else ``directory/path`` (sandbox.upload / download)."""
+    if not isinstance(path, str) or not path:
+        raise InvalidArgumentError("a sandbox path is required", code="invalid_path")
+    return path if path.startswith("/") else posixpath.join(directory, path)
 
 
 def server_info() -> Call:

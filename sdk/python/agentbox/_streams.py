@@ -15,7 +15,14 @@ from collections.abc import Callable
 from typing import Any
 
 from agentbox.exceptions import ProtocolError, StreamInterruptedError
-from agentbox.models import CommandResult, Execution, ExecutionError, OutputChunk, Result
+from agentbox.models import (
+    CommandResult,
+    Execution,
+    ExecutionError,
+    OutputChunk,
+    OutputFile,
+    Result,
+)
 
 Notice = tuple[str, Any]  # ("stdout" | "stderr" | "result" | "error", payload)
 
@@ -52,7 +59,8 @@ class ExecutionBuilder:
         return Execution(stdout="".join(self._stdout), stderr="".join(self._stderr),
                          results=self.results, error=self.error,
                          execution_count=self._end.get("execution_count"),
-                         duration_ms=self._end.get("duration_ms"))
+                         duration_ms=self._end.get("duration_ms"),
+                         files=OutputFile.list_from(self._end.get("files")))
 
 
 class CommandOutput:

@@ -40,6 +40,7 @@ class AsyncAgentBox:
         self._transport = AsyncTransport(self.config, http_client)
         self._server_info: ServerInfo | None = None
         self.sessions = AsyncSessions(self)
+        self.templates = AsyncTemplates(self._transport)
 
     def __repr__(self) -> str:
         return f"<AsyncAgentBox {self.config.base_url}>"
@@ -121,9 +122,6 @@ class AsyncAgentBox:
             return False
         return True
 
-    async def templates(self) -> builtins.list[Template]:
-        return _templates(await self._transport.json(_calls.templates()))
-
     async def server_info(self) -> ServerInfo:
         """``GET /v1/info`` (cached; empty if the server does not have it)."""
         if self._server_info is None:
@@ -144,5 +142,27 @@ class AsyncAgentBox:
         await self.aclose()
 
 
-def _templates(data: Any) -> list[Template]:
-    return [Template.from_dict(t) for t in (data or {}).get("templates", [])]
+def _sandboxes(data: Any) -> list[SandboxInfo]:
+    return [SandboxInfo.from_dict(s) for s in (data or {}).get("sandboxes", [])]
+
+
+class AsyncTemplates:
+    """``box.templates``: the built-in templates and this key's own (made with
+    ``sandbox.snapshot(name)``). ``await box.templates()`` is ``list()``."""
+
+    def __init__(self, transport: AsyncTransport) -> None:
+        self._t = transport
+
+    async def list(self) -> builtins.list[Template]:
+        return [Template.from_dict(t)
+                for t in (await self._t.json(_calls.templates()) or {}).get("templates", [])]
+
+    __call__ = list
+
+    async def get(self, name: str) -> Template:
+        return Template.from_dict(await self._t.json(_calls.get_template(name)))
+
+    async def delete(self, name: str) -> None:
+        """Delete one of the key's templates; sandboxes made from it keep working (its
+        files go when the last of them does)."""
+        await self._t.send(_calls.delete_template(name))

@@ -32,6 +32,7 @@ from agentbox.models import (
     SandboxInfo,
     SandboxLogs,
     SandboxMetrics,
+    Template,
 )
 
 if TYPE_CHECKING:
@@ -172,13 +173,17 @@ class AsyncSandbox:
     async def upload(self, path: str, data: Any, *,
                      on_progress: Callable[[int, int | None], Any] | None = None) -> FileInfo:
         """Write ``data`` (str, bytes, an open binary file, a local ``Path``, or an iterable
-        of bytes) to ``path`` in the sandbox, streamed."""
-        return await self.files.write(path, data, on_progress=on_progress)
+        of bytes) to ``path`` in the sandbox, streamed. A relative ``path`` lands under
+        ``/input/``: ``upload("data.csv", b)`` is read as ``/input/data.csv``."""
+        return await self.files.write(_calls.under(_calls.INPUT_DIR, path), data,
+                                      on_progress=on_progress)
 
     async def download(self, path: str, dest: str | Path | None = None, *,
                        on_progress: Callable[[int, int | None], Any] | None = None) -> Any:
         """The file's bytes; or, with ``dest``, stream it into that local file and return
-        its ``Path``."""
+        its ``Path``. A relative ``path`` is read from ``/output/`` (as ``result.files``
+        name them, absolute, either works)."""
+        path = _calls.under(_calls.OUTPUT_DIR, path)
         if dest is None:
             return await self.files.read(path, format="bytes")
         return await self.files.download(path, dest, on_progress=on_progress)
@@ -239,6 +244,20 @@ class AsyncSandbox:
         return self.info
 
     pause = suspend
+
+    async def snapshot(self, template: str) -> Template:
+        """Save this sandbox (memory, running processes, files) as the key's template
+        ``template``; ``create(template)`` then starts sandboxes in that state. The
+        sandbox keeps running (paused only while it is copied)."""
+        return Template.from_dict(await self._t.json(_calls.snapshot_sandbox(self.id,
+                                                                             template)))
+
+    async def fork(self, n: int = 1, *, keep: bool = False) -> builtins.list[AsyncSandbox]:
+        """``n`` new sandboxes in this one's current state (files, processes, interpreter
+        variables); each then goes its own way. ``keep``: as for ``create``."""
+        data = await self._t.json(_calls.fork_sandbox(self.id, n))
+        return [AsyncSandbox(self._client, SandboxInfo.from_dict(s), keep=keep)
+                for s in (data or {}).get("sandboxes", [])]
 
     async def resume(self) -> SandboxInfo:
         self.info = SandboxInfo.from_dict(await self._t.json(_calls.resume_sandbox(self.id)))

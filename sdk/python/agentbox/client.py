@@ -38,6 +38,7 @@ class AgentBox:
         self._transport = SyncTransport(self.config, http_client)
         self._server_info: ServerInfo | None = None
         self.sessions = Sessions(self)
+        self.templates = Templates(self._transport)
 
     def __repr__(self) -> str:
         return f"<AgentBox {self.config.base_url}>"
@@ -119,9 +120,6 @@ class AgentBox:
             return False
         return True
 
-    def templates(self) -> builtins.list[Template]:
-        return _templates(self._transport.json(_calls.templates()))
-
     def server_info(self) -> ServerInfo:
         """``GET /v1/info`` (cached; empty if the server does not have it)."""
         if self._server_info is None:
@@ -142,5 +140,27 @@ class AgentBox:
         self.close()
 
 
-def _templates(data: Any) -> list[Template]:
-    return [Template.from_dict(t) for t in (data or {}).get("templates", [])]
+def _sandboxes(data: Any) -> list[SandboxInfo]:
+    return [SandboxInfo.from_dict(s) for s in (data or {}).get("sandboxes", [])]
+
+
+class Templates:
+    """``box.templates``: the built-in templates and this key's own (made with
+    ``sandbox.snapshot(name)``). ``box.templates()`` is ``list()``."""
+
+    def __init__(self, transport: SyncTransport) -> None:
+        self._t = transport
+
+    def list(self) -> builtins.list[Template]:
+        return [Template.from_dict(t)
+                for t in (self._t.json(_calls.templates()) or {}).get("templates", [])]
+
+    __call__ = list
+
+    def get(self, name: str) -> Template:
+        return Template.from_dict(self._t.json(_calls.get_template(name)))
+
+    def delete(self, name: str) -> None:
+        """Delete one of the key's templates; sandboxes made from it keep working (its
+        files go when the last of them does)."""
+        self._t.send(_calls.delete_template(name))

@@ -1,9 +1,10 @@
 """Client commands of the ``agentbox`` CLI (``agentbox.cli``; the daemon's
 ``serve``/``keys``/``images`` are ``agentbox-server``, on the server side):
 
-    create, ls, info, exec, run, cp, shell, url, suspend, resume, rm, templates, mcp,
+    create, ls, info, exec, run, cp, shell, url, suspend, resume, rm, mcp,
     usage, metrics, logs (in ``agentbox._cli_controls``),
-    session put|get|ls|rm (in ``agentbox._cli_sessions``)
+    session put|get|ls|rm (in ``agentbox._cli_sessions``),
+    templates [ls|rm], snapshot, fork (in ``agentbox._cli_templates``)
 
 Human output by default, one JSON document with ``--json``. The key and URL come
 from ``--api-key``/``--url``, else ``AGENTBOX_API_KEY``/``AGENTBOX_URL``. Exit
@@ -94,9 +95,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     cmd("suspend", cmd_suspend, "snapshot a sandbox and stop its VM").add_argument("sandbox")
     cmd("resume", cmd_resume, "wake a suspended sandbox").add_argument("sandbox")
     cmd("rm", cmd_rm, "delete sandboxes").add_argument("sandboxes", nargs="+")
-    cmd("templates", cmd_templates, "list templates")
-    from agentbox import _cli_controls
+    from agentbox import _cli_controls, _cli_templates
 
+    _cli_templates.add_commands(cmd)  # templates [ls|rm], snapshot, fork
     _cli_controls.add_commands(cmd)
     p = cmd("mcp", cmd_mcp, "serve the sandbox tools over MCP (stdio)")
     p.add_argument("--template", default="python", help="template of the session's sandbox")
@@ -235,17 +236,6 @@ def _transition(args: argparse.Namespace, action: str) -> int:
 def cmd_rm(args: argparse.Namespace) -> int:
     with _client(args) as box:
         return out.remove_each(args.sandboxes, box.kill, "sandbox", args.json)
-
-
-def cmd_templates(args: argparse.Namespace) -> int:
-    with _client(args) as box:
-        templates = box.templates()
-    if args.json:
-        out.print_json(templates)
-    else:
-        out.table([(t.name, t.mem_mib, "yes" if t.default else "") for t in templates],
-                  ("NAME", "MEM_MIB", "DEFAULT"))
-    return 0
 
 
 def cmd_url(args: argparse.Namespace) -> int:

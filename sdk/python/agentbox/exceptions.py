@@ -225,7 +225,8 @@ _BY_STATUS_CODES = frozenset({
     "snapshot_invalid", "restore_failed", "wake_timeout", "sandbox_crashed",
     "image_error", "disk_error", "network_error", "context_start_failed", "forward_failed",
     "port_not_listening", "port_closed", "bad_gateway", "upstream_timeout", "hold_queue_full",
-    "sandbox_limit", "unavailable",
+    "sandbox_limit", "unavailable", "bad_template_name", "template_exists", "template_builtin",
+    "template_building",
 })
 
 _BY_STATUS: dict[int, type[AgentBoxError]] = {

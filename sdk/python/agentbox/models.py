@@ -65,6 +65,9 @@ class SandboxInfo:
 
 @dataclass(frozen=True)
 class Template:
+    """A template: ``owner`` "builtin" (every key's) or "tenant" (this key's own, made by
+    ``sandbox.snapshot``); ``state`` ready, building (``progress``) or deleting."""
+
     name: str
     mem_mib: int | None = None
     default: bool = False
@@ -74,13 +77,38 @@ class Template:
     max_vcpus: int | None = None
     max_memory_mib: int | None = None
     max_disk_mib: int | None = None
+    owner: str = "builtin"
+    source: str = "builtin"
+    state: str = "ready"
+    progress: str | None = None
+    created_at: float | None = None
+    size_bytes: int = 0
+    from_sandbox: str | None = None
+    paused_ms: float | None = None  # from sandbox.snapshot(): how long the source was paused
 
     @classmethod
     def from_dict(cls, data: Any) -> Template:
-        return cls(name=_get(data, "name", "template"), mem_mib=data.get("mem_mib"),
-                   default=bool(data.get("default", False)),
-                   **{k: data.get(k) for k in ("vcpus", "disk_mib", "max_vcpus",
-                                               "max_memory_mib", "max_disk_mib")})
+        _get(data, "name", "template")
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass(frozen=True)
+class OutputFile:
+    """A file a run created or changed under ``/output/`` (download it with
+    ``sandbox.download(path)``)."""
+
+    path: str
+    size: int
+
+    @classmethod
+    def from_dict(cls, data: Any) -> OutputFile:
+        return cls(path=str(_get(data, "path", "output file")),
+                   size=int(_get(data, "size", "output file")))
+
+    @classmethod
+    def list_from(cls, items: Any) -> list[OutputFile]:
+        return [cls.from_dict(f) for f in items or []]
 
 
 @dataclass(frozen=True)
@@ -208,6 +236,7 @@ class Execution:
     execution_count: int | None = None
     duration_ms: float | None = None
     truncated: bool = False
+    files: list[OutputFile] = field(default_factory=list)  # written under /output/
 
     @classmethod
     def from_dict(cls, data: Any) -> Execution:
@@ -216,7 +245,8 @@ class Execution:
                    results=[Result.from_dict(r) for r in data.get("results") or []],
                    error=None if err is None else ExecutionError.from_dict(err),
                    execution_count=data.get("execution_count"),
-                   duration_ms=data.get("duration_ms"), truncated=bool(data.get("truncated")))
+                   duration_ms=data.get("duration_ms"), truncated=bool(data.get("truncated")),
+                   files=OutputFile.list_from(data.get("files")))
 
     @property
     def text(self) -> str | None:
@@ -238,9 +268,9 @@ _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warn
 class ExecResult:
     """The outcome of ``execute``: a program or shell command run to completion.
 
-    ``results`` and ``files`` have the same meaning as for a code run and are
-    empty here (``/execute`` runs a fresh process with no rich display); they
-    exist so tools can treat both results alike. ``error`` is set when the
+    ``files``: what the run created or changed under ``/output/`` (as for a code
+    run). ``results`` is empty here (``/execute`` runs a fresh process with no rich
+    display); it exists so tools can treat both results alike. ``error`` is set when the
     process failed: for Python code, the exception parsed from the traceback on
     stderr; otherwise ``NonZeroExit`` or ``TimeoutError``.
     """
@@ -253,7 +283,7 @@ class ExecResult:
     truncated: bool = False
     language: str | None = None
     results: list[Result] = field(default_factory=list)
-    files: list[str] = field(default_factory=list)
+    files: list[OutputFile] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: Any, language: str | None = None) -> ExecResult:
@@ -262,7 +292,7 @@ class ExecResult:
                    exit_code=int(_get(data, "exit_code", "exec result")),
                    duration_ms=float(data.get("duration_ms", 0.0)),
                    timed_out=bool(data.get("timed_out")), truncated=bool(data.get("truncated")),
-                   language=language)
+                   language=language, files=OutputFile.list_from(data.get("files")))
 
     @property
     def ok(self) -> bool:

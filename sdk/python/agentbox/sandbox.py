@@ -31,6 +31,7 @@ from agentbox.models import (
     SandboxInfo,
     SandboxLogs,
     SandboxMetrics,
+    Template,
 )
 
 if TYPE_CHECKING:
@@ -171,13 +172,17 @@ class Sandbox:
     def upload(self, path: str, data: Any, *,
                on_progress: Callable[[int, int | None], Any] | None = None) -> FileInfo:
         """Write ``data`` (str, bytes, an open binary file, a local ``Path``, or an iterable
-        of bytes) to ``path`` in the sandbox, streamed."""
-        return self.files.write(path, data, on_progress=on_progress)
+        of bytes) to ``path`` in the sandbox, streamed. A relative ``path`` lands under
+        ``/input/``: ``upload("data.csv", b)`` is read as ``/input/data.csv``."""
+        return self.files.write(_calls.under(_calls.INPUT_DIR, path), data,
+                                      on_progress=on_progress)
 
     def download(self, path: str, dest: str | Path | None = None, *,
                  on_progress: Callable[[int, int | None], Any] | None = None) -> Any:
         """The file's bytes; or, with ``dest``, stream it into that local file and return
-        its ``Path``."""
+        its ``Path``. A relative ``path`` is read from ``/output/`` (as ``result.files``
+        name them, absolute, either works)."""
+        path = _calls.under(_calls.OUTPUT_DIR, path)
         if dest is None:
             return self.files.read(path, format="bytes")
         return self.files.download(path, dest, on_progress=on_progress)
@@ -238,6 +243,20 @@ class Sandbox:
         return self.info
 
     pause = suspend
+
+    def snapshot(self, template: str) -> Template:
+        """Save this sandbox (memory, running processes, files) as the key's template
+        ``template``; ``create(template)`` then starts sandboxes in that state. The
+        sandbox keeps running (paused only while it is copied)."""
+        return Template.from_dict(self._t.json(_calls.snapshot_sandbox(self.id,
+                                                                             template)))
+
+    def fork(self, n: int = 1, *, keep: bool = False) -> builtins.list[Sandbox]:
+        """``n`` new sandboxes in this one's current state (files, processes, interpreter
+        variables); each then goes its own way. ``keep``: as for ``create``."""
+        data = self._t.json(_calls.fork_sandbox(self.id, n))
+        return [Sandbox(self._client, SandboxInfo.from_dict(s), keep=keep)
+                for s in (data or {}).get("sandboxes", [])]
 
     def resume(self) -> SandboxInfo:
         self.info = SandboxInfo.from_dict(self._t.json(_calls.resume_sandbox(self.id)))

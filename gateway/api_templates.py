@@ -1,0 +1,65 @@
+"""Template handlers: list and delete templates, snapshot a sandbox into one, fork.
+
+Transport only: the catalog (gateway/templates.py) and gateway/snapshots.py decide."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from gateway import resources, snapshots
+from gateway.api import _service, json_response, read_json, sandbox_view
+from gateway.errors import TemplateNotFound
+from gateway.middleware import current_key
+from gateway.sandboxes import SandboxService, parse_object
+from gateway.templates import Template
+
+routes = web.RouteTableDef()
+
+
+def _view(svc: SandboxService, t: Template) -> dict[str, Any]:
+    """A template's view; a built-in one also shows its default shape and limits."""
+    view = t.view(svc.config.sandbox.default_template)
+    golden = None if t.tenant else svc.goldens.get(t.name)
+    if golden is not None:
+        view |= resources.template_view(golden, svc.config.resources.for_template(t.name))
+    return view
+
+
+@routes.get("/v1/templates")
+async def list_templates(request: web.Request) -> web.Response:
+    svc = _service(request)
+    return json_response({"templates": [
+        _view(svc, t) for t in svc.templates.list(current_key(request).id)]})
+
+
+@routes.get("/v1/templates/{name}")
+async def get_template(request: web.Request) -> web.Response:
+    svc, name = _service(request), request.match_info["name"]
+    for t in svc.templates.list(current_key(request).id):
+        if t.name == name:
+            return json_response(_view(svc, t))
+    raise TemplateNotFound(f"template {name!r} not found")
+
+
+@routes.delete("/v1/templates/{name}")
+async def delete_template(request: web.Request) -> web.Response:
+    _service(request).templates.delete(current_key(request).id, request.match_info["name"])
+    return web.Response(status=204)
+
+
+@routes.post("/v1/sandboxes/{id}/snapshot")
+async def snapshot_sandbox(request: web.Request) -> web.Response:
+    body = parse_object(await read_json(request), {"template"})
+    view = await snapshots.snapshot(_service(request), current_key(request).id,
+                                    request.match_info["id"], body.get("template"))
+    return json_response(view, status=201)
+
+
+@routes.post("/v1/sandboxes/{id}/fork")
+async def fork_sandbox(request: web.Request) -> web.Response:
+    body = parse_object(await read_json(request), {"count"})
+    recs = await snapshots.fork(_service(request), current_key(request).id,
+                                request.match_info["id"], body.get("count", 1))
+    return json_response({"sandboxes": [sandbox_view(r) for r in recs]}, status=201)
