@@ -75,9 +75,10 @@ async def healthz(request: web.Request) -> web.Response:
 @routes.get("/v1/templates")
 async def list_templates(request: web.Request) -> web.Response:
     svc = _service(request)
-    return json_response({"templates": [
-        {"name": g.template, "mem_mib": g.mem_mib, "default": g.template ==
-         svc.config.sandbox.default_template} for g in svc.goldens.values()]})
+    ready = [{"name": g.template, "mem_mib": g.mem_mib, "state": "ready", "default": g.template ==
+              svc.config.sandbox.default_template} for g in svc.goldens.values()]
+    pending = svc.builtin_builds.views() if svc.builtin_builds is not None else []
+    return json_response({"templates": ready + pending})
 
 
 @routes.post("/v1/sandboxes")

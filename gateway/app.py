@@ -15,7 +15,8 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import api, api_interp, api_keys, at_rest, metrics, openapi, preview, terminal
+from gateway import (api, api_builds, api_interp, api_keys, at_rest, metrics, openapi, preview,
+                     terminal)
 from gateway.config import Config
 from gateway.middleware import (
     REGISTRY_KEY,
@@ -102,6 +103,8 @@ def build_app(config: Config) -> web.Application:
     app[terminal.MAX_WS_KEY] = config.server.max_ws_message_bytes
     app.add_routes(api.routes)
     app.add_routes(api_interp.routes)
+    app.add_routes(api_builds.routes)
+    app[api_builds.MAX_CONTEXT_KEY] = config.build.max_context_bytes
     app.add_routes(api_keys.routes)
     app.add_routes(metrics.routes)
     app.add_routes(terminal.routes)
@@ -137,11 +140,13 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     app[api.SERVICE_KEY] = service
     await reconcile(service)
     service.start()
+    api_builds.attach(app, config, service)  # Dockerfile builds; built-ins still missing
     log.info("agentbox ready on http://%s (vmm %s/%s; templates: %s)", config.server.listen,
              backend.driver_name, backend.accel.value, ", ".join(sorted(goldens)) or "none")
     try:
         yield
     finally:
+        await api_builds.detach(app, service)
         await service.aclose()
         registry.close()
 

@@ -140,7 +140,24 @@ def _gateway_schemas() -> dict[str, Any]:
                              "description": "ports served without the preview token "
                                             "(replaces the list)"}},
             additionalProperties=False),
-        "Template": _obj({"name": _STR, "mem_mib": _INT, "default": _BOOL}, ("name",)),
+        "Template": _obj({"name": _STR, "mem_mib": _INT, "default": _BOOL, "source": _STR,
+                          "state": {"type": "string", "enum": ["ready", "building", "failed"]},
+                          "progress": _obj({"stage": _STR, "stage_index": _INT, "stages": _INT,
+                                            "elapsed_s": _NUM, "last": _STR}),
+                          "error": _STR}, ("name",)),
+        "Build": _obj({"id": _STR, "name": _STR,
+                       "state": {"type": "string",
+                                 "enum": ["queued", "running", "ready", "failed"]},
+                       "created_at": _NUM, "finished_at": _NNUM, "step": _INT, "steps": _INT,
+                       "cached_steps": _INT, "error": _NSTR,
+                       "template": {"type": ["object", "null"]}},
+                      ("id", "name", "state", "steps")),
+        "BuildResponse": _obj({"build": _ref("Build")}, ("build",)),
+        "BuildEvent": _obj({"type": {"type": "string", "enum": [
+            "queued", "step", "output", "step_done", "error", "done"]}, "t": _NUM},
+            ("type",), additionalProperties=True,
+            description="step: n, of, text, cached; output: n, stream, text; step_done: n, "
+                        "seconds; error: message, exit_code; done: state, template|error"),
         "TemplateList": _list_of("templates", "Template"),
         "Health": _obj({"status": _STR, "vmm": _STR, "accel": _STR, "accel_reason": _STR,
                         "templates": {"type": "array", "items": _STR}}, ("status",)),
@@ -289,6 +306,16 @@ OPS: tuple[Op, ...] = (
     Op("GET", "/v1/info", "Server version and preview URL template", "meta", returns="Info"),
     Op("GET", "/v1/openapi.json", "This document", "meta", returns="object"),
     Op("GET", "/v1/templates", "List templates", "templates", returns="TemplateList"),
+    Op("POST", "/v1/templates/builds", "Build a template from a Dockerfile (body: the build "
+       "context as a tar holding the Dockerfile)", "templates", 202, "bytes", "BuildResponse",
+       (400, 404, 409, 413, 503), query=(
+           ("name", "the template's name", {"type": "string"}),
+           ("dockerfile", "the Dockerfile's path in the context (default Dockerfile)",
+            {"type": "string"}))),
+    Op("GET", "/v1/templates/builds/{build_id}", "Get a build", "templates",
+       returns="BuildResponse", errors=(404,)),
+    Op("GET", "/v1/templates/builds/{build_id}/log", "A build's log as NDJSON events (follows "
+       "the build until it ends)", "templates", returns="ndjson:BuildEvent", errors=(404,)),
     Op("POST", "/v1/keys", "Create an API key (admin key only)", "keys", 201,
        "CreateKeyRequest", "CreatedKey", (400, 403)),
     Op("GET", "/v1/keys", "List API keys (admin key only)", "keys", returns="KeyList",

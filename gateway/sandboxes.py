@@ -25,10 +25,12 @@ from typing import Any
 from gateway import quotas
 from gateway.config import Config
 from gateway.controller import HoldCounter, SandboxController, Wake, WakePolicy
+from gateway.builtin_builds import BuiltinBuilds
 from gateway.errors import BadRequest, Conflict, SandboxNotFound, TemplateNotFound, Unavailable
 from gateway.lifecycle import State
 from gateway.metrics import Metrics
 from gateway.registry import Registry, SandboxRecord
+from images.templates import ALIASES
 from vmctl import network
 from vmctl.backend import Backend
 from vmctl.golden import BUILD_SLOTS, Golden, load_golden_dir
@@ -49,6 +51,7 @@ class SandboxService:
         self.registry = registry
         self.backend = backend
         self.goldens = goldens
+        self.builtin_builds: BuiltinBuilds | None = None  # gateway.builtin_builds (set by app)
         self.policy = policy or WakePolicy()
         self.holds = HoldCounter()
         self.metrics = Metrics()
@@ -77,7 +80,10 @@ class SandboxService:
     async def create(self, tenant: str, template: str | None, metadata: dict[str, Any],
                      idle_timeout: float | None) -> SandboxRecord:
         template = template or self.config.sandbox.default_template
+        template = ALIASES.get(template, template) if template not in self.goldens else template
         golden = self.goldens.get(template)
+        if golden is None and self.builtin_builds is not None:
+            self.builtin_builds.check(template)  # 503 while a built-in is still building
         if golden is None:
             raise TemplateNotFound(f"template {template!r} not found; available: "
                                    f"{', '.join(sorted(self.goldens)) or 'none'}")

@@ -259,6 +259,13 @@ def _json_or_shell(line: int, rest: str) -> tuple[tuple[str, ...], bool]:
     return ("/bin/sh", "-c", rest), True
 
 
+def _split(line: int, rest: str) -> list[str]:
+    try:
+        return shlex.split(rest)
+    except ValueError as exc:
+        raise DockerfileError(line, f"cannot split the arguments: {exc}") from None
+
+
 def _from(p: _Parse, line: int, rest: str) -> None:
     if p.base:
         raise DockerfileError(line, "only one FROM (multi-stage builds are not supported)")
@@ -279,7 +286,8 @@ def _run(p: _Parse, line: int, rest: str) -> None:
 
 
 def _copy(p: _Parse, line: int, rest: str, word: str = "COPY") -> None:
-    words = shlex.split(rest) if not rest.startswith("[") else _json_or_shell(line, rest)[0]
+    words = _split(line, rest) if not rest.startswith("[") else \
+        list(_json_or_shell(line, rest)[0])
     chown = ""
     while words and words[0].startswith("--"):
         flag = words.pop(0)
@@ -306,7 +314,7 @@ def _copy(p: _Parse, line: int, rest: str, word: str = "COPY") -> None:
 
 def _env(p: _Parse, line: int, rest: str) -> None:
     pairs: list[tuple[str, str]] = []
-    words = shlex.split(rest)
+    words = _split(line, rest)
     if words and "=" not in words[0]:
         if len(words) < 2:
             raise DockerfileError(line, "ENV wants NAME=VALUE (or NAME VALUE)")

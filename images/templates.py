@@ -77,3 +77,12 @@ SPECS: dict[str, TemplateSpec] = {spec.name: spec for spec in (
 )}
 
 TEMPLATES: tuple[str, ...] = tuple(SPECS)
+
+# Other names a create (or a Dockerfile's FROM) may use for a built-in template.
+ALIASES: dict[str, str] = {
+    "python3": "python", "py": "python",
+    "datascience": "python-datascience", "python-data": "python-datascience",
+    "data-science": "python-datascience",
+    "nodejs": "node", "javascript": "node", "js": "node",
+    "debian": "minimal", "bash": "minimal", "shell": "minimal",
+}

@@ -1,0 +1,163 @@
+"""Templates built from a Dockerfile through the real daemon (issue 11, part 3).
+
+A Dockerfile that installs a PyPI package (through the builder VM's registry proxy), copies
+files, sets an env var and starts an HTTP server is built; a sandbox made from it serves
+that server on its preview URL, and the server reports the package, the env var and the
+copied file. A second build with nothing changed hits the cache for every step; a failing
+RUN reports its exit code and output. Three builder boots and one restore in all.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import time
+
+import httpx
+import orjson
+import pytest
+
+from tests.e2e.test_preview import host_for, preview_token, wait_listening
+
+pytestmark = pytest.mark.e2e
+
+PACKAGE, MODULE, VERSION = "tomli-w", "tomli_w", "1.0.0"  # tiny, pure Python, not in Debian's base
+
+APP = b'''
+import http.server, json, os, pathlib
+import tomli_w
+
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"path": self.path, "greeting": os.environ.get("GREETING"),
+                           "toml": tomli_w.dumps({"a": 1}),
+                           "file": pathlib.Path("msg.txt").read_text(),
+                           "cwd": os.getcwd()}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
+'''
+
+DOCKERFILE = f"""
+FROM python
+RUN pip install {PACKAGE}=={VERSION} && python3 -c 'import {MODULE}'
+COPY app.py msg.txt /srv/app/
+ENV GREETING=hello-from-env
+WORKDIR /srv/app
+EXPOSE 8000
+CMD ["python3", "app.py"]
+# agentbox: ready http 8000 /health
+""".encode()
+
+
+@pytest.fixture
+def web(daemon):
+    with httpx.Client(base_url=daemon.url, timeout=120) as client:
+        yield client
+
+
+def context_tar(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def build(api, name: str, files: dict[str, bytes], timeout: float = 1800) -> tuple[dict, list]:
+    r = api.post("/v1/templates/builds", params={"name": name}, content=context_tar(files),
+                 headers={"Content-Type": "application/x-tar"})
+    assert r.status_code == 202, r.text
+    build_id = r.json()["build"]["id"]
+    events = []
+    with api.stream("GET", f"/v1/templates/builds/{build_id}/log",
+                    timeout=timeout) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("application/x-ndjson")
+        for line in resp.iter_lines():
+            if line:
+                events.append(orjson.loads(line))
+    r = api.get(f"/v1/templates/builds/{build_id}")
+    assert r.status_code == 200, r.text
+    return r.json()["build"], events
+
+
+@pytest.fixture(scope="module")
+def built(daemon):
+    with daemon.client() as api:
+        api.timeout = 1800
+        files = {"Dockerfile": DOCKERFILE, "app.py": APP, "msg.txt": b"copied-file-contents\n"}
+        started = time.monotonic()
+        first, events = build(api, "web-app", files)
+        cold = time.monotonic() - started
+        assert first["state"] == "ready", (first, events[-5:], daemon.log_tail())
+        yield api, files, first, events, cold
+
+
+def test_dockerfile_build_serves_its_app_on_the_preview_url(built, daemon, web):
+    api, _, first, events, cold = built
+    steps = [e for e in events if e["type"] == "step"]
+    assert [s["cached"] for s in steps] == [False, False, False], steps
+    assert events[-1] == {**events[-1], "type": "done", "state": "ready"}
+    assert any(t["name"] == "web-app" for t in api.get("/v1/templates").json()["templates"])
+    r = api.post("/v1/sandboxes", json={"template": "web-app"})
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    try:
+        token = preview_token(api, sid)
+        # The server was started in the golden snapshot: it answers without being launched.
+        resp = wait_listening(web, sid, 8000, token, "/check", timeout=30)
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert body == {"path": "/check", "greeting": "hello-from-env", "toml": "a = 1\n",
+                        "file": "copied-file-contents\n", "cwd": "/srv/app"}
+        r = api.post(f"/v1/sandboxes/{sid}/exec", json={
+            "command": f"python3 -c 'import {MODULE}; print({MODULE}.__name__)' && "
+                       "echo $GREETING && cat /srv/app/msg.txt"})
+        assert r.status_code == 200, r.text
+        assert r.json()["stdout"].split() == [MODULE, "hello-from-env", "copied-file-contents"]
+        assert host_for(sid, 8000)
+    finally:
+        api.delete(f"/v1/sandboxes/{sid}")
+    print(f"cold build: {cold:.1f}s")
+
+
+def test_rebuild_with_nothing_changed_hits_the_cache_for_every_step(built):
+    api, files, _, _, _ = built
+    started = time.monotonic()
+    second, events = build(api, "web-app-again", files)
+    warm = time.monotonic() - started
+    assert second["state"] == "ready", events[-5:]
+    steps = [e for e in events if e["type"] == "step"]
+    assert len(steps) == 3 and all(s["cached"] for s in steps), steps
+    assert second["cached_steps"] == second["steps"] == 3
+    assert not [e for e in events if e["type"] == "step_done"]  # nothing ran
+    print(f"warm build: {warm:.1f}s")
+
+
+def test_failing_run_reports_its_exit_code_and_output(daemon):
+    dockerfile = b"FROM python\nRUN echo out-of-the-step && echo err-of-the-step >&2 && exit 7\n"
+    with daemon.client() as api:
+        api.timeout = 900
+        result, events = build(api, "broken", {"Dockerfile": dockerfile})
+    assert result["state"] == "failed"
+    assert "exited with code 7" in result["error"] and "line 2" in result["error"]
+    errors = [e for e in events if e["type"] == "error"]
+    assert errors and errors[0]["exit_code"] == 7
+    output = "".join(e["text"] for e in events if e["type"] == "output")
+    assert "out-of-the-step" in output and "err-of-the-step" in output
+    assert events[-1]["type"] == "done" and events[-1]["state"] == "failed"
+
+
+def test_unsupported_instruction_is_a_400_with_its_line(api):
+    r = api.post("/v1/templates/builds", params={"name": "nope"},
+                 content=context_tar({"Dockerfile": b"FROM python\nRUN true\nVOLUME /data\n"}))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "bad_dockerfile" and "line 3" in err["message"]
