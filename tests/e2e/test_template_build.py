@@ -117,7 +117,7 @@ def test_dockerfile_build_serves_its_app_on_the_preview_url(built, daemon, web):
         body = resp.json()
         assert body == {"path": "/check", "greeting": "hello-from-env", "toml": "a = 1\n",
                         "file": "copied-file-contents\n", "cwd": "/srv/app"}
-        r = api.post(f"/v1/sandboxes/{sid}/exec", json={
+        r = api.post(f"/v1/sandboxes/{sid}/execute", json={
             "command": f"python3 -c 'import {MODULE}; print({MODULE}.__name__)' && "
                        "echo $GREETING && cat /srv/app/msg.txt"})
         assert r.status_code == 200, r.text
