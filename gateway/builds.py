@@ -39,7 +39,7 @@ from typing import Any
 from gateway import builder_vm
 from gateway.builder_vm import BootFiles, BuilderVM
 from gateway.errors import ApiError, BadRequest, Conflict, NotFound
-from guest.protocol import DEFAULT_CONTEXT, CreateContextRequest, ExecRequest
+from guest.protocol import DEFAULT_CONTEXT, CreateContextRequest, ExecRequest, InitRequest
 from images import dockerfile as df
 from vmctl import agent_interp, store
 from vmctl.backend import Backend
@@ -313,6 +313,10 @@ class BuildService:
         try:
             async with builder_vm.builder_vm(self.backend, boot, parent, tmp, ()) as vm:
                 await self._start_and_wait(build, vm)
+                # ENV also holds for every exec and interpreter of the template's sandboxes:
+                # the agent's base env is in the snapshot's memory.
+                await vm.agent.init(InitRequest(time_ns=time.time_ns(),
+                                                env=build.recipe.final.env_dict()))
                 await agent_interp.create_context(vm.agent,
                                                   CreateContextRequest(name=DEFAULT_CONTEXT))
                 await vm.agent.execute(ExecRequest(command="sync", timeout=120))

@@ -78,6 +78,19 @@ def templates() -> Call:
     return Call("GET", "/v1/templates")
 
 
+def start_build(name: str, dockerfile: str, context_tar: bytes) -> Call:
+    return Call("POST", "/v1/templates/builds", params={"name": name, "dockerfile": dockerfile},
+                content=context_tar, headers={"Content-Type": "application/x-tar"})
+
+
+def get_build(build_id: str) -> Call:
+    return Call("GET", f"/v1/templates/builds/{quote(build_id, safe='')}")
+
+
+def build_log(build_id: str) -> Call:
+    return Call("GET", f"/v1/templates/builds/{quote(build_id, safe='')}/log", timeout=None)
+
+
 def server_info() -> Call:
     return Call("GET", "/v1/info")
 

@@ -16,6 +16,7 @@ import httpx
 
 from agentbox import _calls, _common
 from agentbox._transport import AsyncTransport, ClientConfig
+from agentbox.async_builds import AsyncBuilds
 from agentbox.async_sandbox import AsyncSandbox
 from agentbox.exceptions import NotFoundError, SandboxNotFoundError
 from agentbox.models import SandboxInfo, ServerInfo, Template
@@ -38,6 +39,7 @@ class AsyncAgentBox:
         self._transport = AsyncTransport(self.config, http_client)
         self._server_info: ServerInfo | None = None
         self.sessions = AsyncSessions(self)
+        self.builds = AsyncBuilds(self._transport)  # templates from a Dockerfile
 
     def __repr__(self) -> str:
         return f"<AsyncAgentBox {self.config.base_url}>"

@@ -15,6 +15,7 @@ import httpx
 
 from agentbox import _calls, _common
 from agentbox._transport import SyncTransport, ClientConfig
+from agentbox.builds import Builds
 from agentbox.sandbox import Sandbox
 from agentbox.exceptions import NotFoundError, SandboxNotFoundError
 from agentbox.models import SandboxInfo, ServerInfo, Template
@@ -36,6 +37,7 @@ class AgentBox:
         self._transport = SyncTransport(self.config, http_client)
         self._server_info: ServerInfo | None = None
         self.sessions = Sessions(self)
+        self.builds = Builds(self._transport)  # templates from a Dockerfile
 
     def __repr__(self) -> str:
         return f"<AgentBox {self.config.base_url}>"

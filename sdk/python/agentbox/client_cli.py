@@ -77,7 +77,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     cmd("suspend", cmd_suspend, "snapshot a sandbox and stop its VM").add_argument("sandbox")
     cmd("resume", cmd_resume, "wake a suspended sandbox").add_argument("sandbox")
     cmd("rm", cmd_rm, "delete sandboxes").add_argument("sandboxes", nargs="+")
-    cmd("templates", cmd_templates, "list templates")
+    from agentbox import _cli_builds
+
+    _cli_builds.add_arguments(cmd("templates", cmd_templates, "list templates (ls), or build "
+                                  "one from a Dockerfile: build -f FILE -t NAME [CONTEXT]"))
     p = cmd("mcp", cmd_mcp, "serve the sandbox tools over MCP (stdio)")
     p.add_argument("--template", default="python", help="template of the session's sandbox")
     p.add_argument("--sandbox", help="use this existing sandbox instead of creating one")
@@ -188,6 +191,11 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_templates(args: argparse.Namespace) -> int:
+    if getattr(args, "action", "ls") == "build":
+        from agentbox import _cli_builds
+
+        with _client(args) as box:
+            return _cli_builds.cmd_build(args, box)
     with _client(args) as box:
         templates = box.templates()
     if args.json:

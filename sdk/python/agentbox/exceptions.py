@@ -189,6 +189,17 @@ class StorageFullError(SandboxError):
     code = "no_space"
 
 
+class TemplateBuildError(AgentBoxError):
+    """A template build from a Dockerfile ended ``failed``; ``build`` is the TemplateBuild
+    (``build.error`` names the step and its exit code)."""
+
+    code = "build_failed"
+
+    def __init__(self, build: Any) -> None:
+        super().__init__(f"template build {build.id} ({build.name}) failed: {build.error}")
+        self.build = build
+
+
 SandboxTimeoutError = TimeoutError
 RateLimitedError = RateLimitError
 
@@ -213,7 +224,10 @@ _BY_CODE: dict[str, type[AgentBoxError]] = {
 # in exactly one of the two tables and no other code is (tests/unit/test_error_codes.py).
 _BY_STATUS_CODES = frozenset({
     "bad_request", "bad_json", "invalid_type", "invalid_path", "invalid_cwd", "not_a_directory",
-    "is_a_directory", "bad_session_name", "websocket_required", "http_error", "unauthorized",
+    "is_a_directory", "bad_session_name", "bad_template_name", "bad_dockerfile",
+    "bad_context", "build_not_found", "build_running", "template_building",
+    "template_build_failed", "builds_unavailable", "websocket_required", "http_error",
+    "unauthorized",
     "forbidden", "cross_origin_refused", "port_reserved", "not_found", "key_not_found",
     "conflict", "not_running", "stdin_closed", "context_exists", "session_name_taken",
     "session_not_ready", "suspend_cancelled", "payload_too_large", "too_large",

@@ -57,14 +57,45 @@ class SandboxInfo:
 
 @dataclass(frozen=True)
 class Template:
+    """``state``: ready, building (``progress``: stage, elapsed_s, ...) or failed (``error``)."""
+
     name: str
     mem_mib: int | None = None
     default: bool = False
+    source: str = "builtin"
+    state: str = "ready"
+    progress: dict[str, Any] | None = None
+    error: str | None = None
 
     @classmethod
     def from_dict(cls, data: Any) -> Template:
         return cls(name=_get(data, "name", "template"), mem_mib=data.get("mem_mib"),
-                   default=bool(data.get("default", False)))
+                   default=bool(data.get("default", False)),
+                   source=str(data.get("source", "builtin")), state=str(data.get("state", "ready")),
+                   progress=data.get("progress"), error=data.get("error"))
+
+
+@dataclass(frozen=True)
+class TemplateBuild:
+    """A build from a Dockerfile: ``state`` queued, running, ready or failed; ``step`` of
+    ``steps`` (``cached_steps`` of them from the cache); ``template`` once ready."""
+
+    id: str
+    name: str
+    state: str
+    steps: int = 0
+    step: int = 0
+    cached_steps: int = 0
+    error: str | None = None
+    created_at: float | None = None
+    finished_at: float | None = None
+    template: dict[str, Any] | None = None
+
+    @classmethod
+    def from_dict(cls, data: Any) -> TemplateBuild:
+        _get(data, "id", "build")
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 @dataclass(frozen=True)
