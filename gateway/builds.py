@@ -38,7 +38,7 @@ from typing import Any
 
 from gateway import builder_vm
 from gateway.builder_vm import BootFiles, BuilderVM
-from gateway.errors import ApiError, BadRequest, Conflict, NotFound
+from gateway.errors import ApiError, BadRequest, Conflict, NotFound, Unavailable
 from guest.protocol import DEFAULT_CONTEXT, CreateContextRequest, ExecRequest, InitRequest
 from images import dockerfile as df
 from vmctl import agent_interp, store
@@ -151,6 +151,9 @@ class BuildService:
 
     def start(self, tenant: str, name: str, dockerfile: str, context: Path,
               cleanup: Callable[[], None] = lambda: None) -> Build:
+        if self.backend.driver_name != "qemu":  # layers are qcow2 overlays
+            raise Unavailable("template builds need the QEMU backend on this host for now",
+                              code="builds_unavailable")
         try:
             recipe = df.parse(dockerfile)
         except df.DockerfileError as exc:
