@@ -13,12 +13,21 @@ from agentbox.exceptions import TemplateBuildError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", nargs="?", choices=("ls", "build"), default="ls")
-    p.add_argument("context", nargs="?", default=".", help="build: the context directory")
+    # One positional list: argparse cannot give two optional positionals around options.
+    p.add_argument("words", nargs="*", metavar="ls | build [CONTEXT]",
+                   help="build: the context directory (default .)")
     p.add_argument("-f", "--file", dest="dockerfile", help="build: the Dockerfile "
                                                            "(default CONTEXT/Dockerfile)")
     p.add_argument("-t", "--tag", dest="name", help="build: the template's name")
     p.add_argument("-q", "--quiet", action="store_true", help="build: no step output")
+
+
+def action(args: argparse.Namespace) -> str:
+    words = getattr(args, "words", None) or ["ls"]
+    if words[0] not in ("ls", "build") or len(words) > (2 if words[0] == "build" else 1):
+        raise SystemExit("agentbox: templates [ls] | templates build [-f FILE] -t NAME [CONTEXT]")
+    args.context = words[1] if len(words) > 1 else "."
+    return words[0]
 
 
 def format_event(e: dict[str, Any], quiet: bool = False) -> str | None:

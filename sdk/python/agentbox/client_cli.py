@@ -191,9 +191,9 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_templates(args: argparse.Namespace) -> int:
-    if getattr(args, "action", "ls") == "build":
-        from agentbox import _cli_builds
+    from agentbox import _cli_builds
 
+    if _cli_builds.action(args) == "build":
         with _client(args) as box:
             return _cli_builds.cmd_build(args, box)
     with _client(args) as box:
