@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import io
 import tarfile
 
-from agentbox import _cli_builds
+import pytest
+
+from agentbox import _cli_builds, cli
 from agentbox._build_context import pack_context
 
 
@@ -36,13 +37,14 @@ def test_pack_context_skips_dockerignore_and_vcs_and_adds_an_outside_dockerfile(
 
 
 def test_cli_arguments_and_event_lines():
-    p = argparse.ArgumentParser()
-    _cli_builds.add_arguments(p)
-    args = p.parse_args(["build", "-f", "D", "-t", "web", "dir"])
+    args = cli.parse_args(["templates", "build", "-f", "D", "-t", "web", "dir"])
     assert _cli_builds.action(args) == "build"
     assert (args.dockerfile, args.name, args.context) == ("D", "web", "dir")
-    assert _cli_builds.action(p.parse_args([])) == "ls"
-    assert _cli_builds.action(p.parse_args(["build", "-t", "x"])) == "build"
+    assert _cli_builds.action(cli.parse_args(["templates"])) == "ls"
+    args = cli.parse_args(["templates", "build", "-t", "x"])
+    assert _cli_builds.action(args) == "build" and args.context == "."
+    with pytest.raises(SystemExit):
+        cli.parse_args(["ls", "stray"])  # other commands still refuse extra arguments
     fmt = _cli_builds.format_event
     assert fmt({"type": "step", "n": 1, "of": 3, "text": "RUN x", "cached": True}) == \
         "[1/3] RUN x  (cached)"
