@@ -55,6 +55,9 @@ async def load_goldens(config: Config) -> tuple[vm_backend.Backend | None, dict[
     images = {}
     for name in config.sandbox.templates:
         image = load_template(name, config.server.images_dir)
+        if image is None and config.build.background_builtins:
+            log.info("template %r is not built yet: building it in the background", name)
+            continue
         if image is None:
             log.error("template %r is not built in %s: run `make images` "
                       "(or `agentbox-server images build %s`)", name, config.server.images_dir,
