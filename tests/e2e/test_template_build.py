@@ -161,3 +161,61 @@ def test_unsupported_instruction_is_a_400_with_its_line(api):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == "bad_dockerfile" and "line 3" in err["message"]
+
+
+def test_a_builtin_still_building_is_listed_and_answers_503_with_retry_after(tmp_path):
+    """A daemon serving python (built) and minimal (not built in its images dir): it starts
+    at once with python, lists minimal as building, answers a create from minimal (or an
+    alias of it) 503 template_building with Retry-After, and stopping it ends the build."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import IMAGES_DIR, REPO, _free_port, stop_daemon, Daemon
+
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "python").symlink_to(IMAGES_DIR / "python")  # python only: minimal is missing
+    config = tmp_path / "agentbox.toml"
+    config.write_text('[sandbox]\ntemplates = ["python", "minimal"]\nidle_timeout = 0\n'
+                      '[network]\npool = "169.254.32.0/19"\n')
+    port, data = _free_port(), tmp_path / "data"
+    log_path = tmp_path / "daemon.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--listen",
+             f"127.0.0.1:{port}", "--data-dir", str(data), "--images-dir", str(images)],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=dict(os.environ))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    d = Daemon(url, (data / "admin.key").read_text().strip(), data, proc, log_path)
+    try:
+        with d.client() as api:
+            listed = {t["name"]: t for t in api.get("/v1/templates").json()["templates"]}
+            assert listed["python"]["state"] == "ready"
+            assert listed["minimal"]["state"] == "building", listed
+            assert set(listed["minimal"]["progress"]) >= {"stage", "elapsed_s"}
+            for name in ("minimal", "bash"):
+                r = api.post("/v1/sandboxes", json={"template": name})
+                assert r.status_code == 503, r.text
+                assert r.json()["error"]["code"] == "template_building"
+                assert r.headers["Retry-After"] == "30"
+        builder = subprocess.run(["pgrep", "-f", f"images build minimal.*{images}"],
+                                 capture_output=True, text=True).stdout.split()
+        assert builder, "no background build process"
+    finally:
+        stop_daemon(d)
+    for _ in range(50):
+        if not subprocess.run(["pgrep", "-f", f"images build minimal.*{images}"],
+                              capture_output=True).stdout:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the background build outlived the daemon")
