@@ -148,6 +148,16 @@ class BuildService:
         self.builds: dict[str, Build] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._one_at_a_time = asyncio.Semaphore(1)
+        self._remove_leftovers()
+
+    def _remove_leftovers(self) -> None:
+        """Work dirs and uploaded contexts a crashed daemon left (no build runs yet)."""
+        stale = [*self.cache.glob(".work-*"), *self.cache.glob(".golden-*")]
+        contexts = self.cache.parent / "build-contexts"
+        stale += list(contexts.iterdir()) if contexts.is_dir() else []
+        for path in stale:
+            log.warning("removing a leftover of an interrupted build: %s", path)
+            shutil.rmtree(path, ignore_errors=True)
 
     def start(self, tenant: str, name: str, dockerfile: str, context: Path,
               cleanup: Callable[[], None] = lambda: None) -> Build:
