@@ -219,3 +219,58 @@ def test_a_builtin_still_building_is_listed_and_answers_503_with_retry_after(tmp
         time.sleep(0.2)
     else:
         raise AssertionError("the background build outlived the daemon")
+
+
+PROBE = '''
+import os, socket, urllib.parse, urllib.request
+proxy = urllib.parse.urlsplit(os.environ["https_proxy"])
+def connect(host, port):
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+        return "open"
+    except OSError as e:
+        return "refused" if isinstance(e, ConnectionRefusedError) else "blocked"
+def via_proxy(target):
+    s = socket.create_connection((proxy.hostname, proxy.port), timeout=10)
+    s.sendall(f"CONNECT {target} HTTP/1.1\\r\\n\\r\\n".encode())
+    status = s.recv(200).split(b"\\r\\n")[0].decode()
+    s.close()
+    return status
+print("proxy-port", connect(proxy.hostname, proxy.port))
+print("host-listener", connect(proxy.hostname, LISTENER))
+print("pypi", via_proxy("pypi.org:443"))
+print("other-host", via_proxy("example.com:443"))
+print("other-port", via_proxy("pypi.org:22"))
+'''
+
+
+def test_a_builder_vm_reaches_only_the_registry_proxy(daemon):
+    """A real listener on the host (all addresses) and hosts/ports off the allow-list: the
+    builder's RUN step reaches the proxy, and through it only the registries."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("0.0.0.0", 0))
+    listener.listen()
+    listener.settimeout(0)
+    port = listener.getsockname()[1]
+    probe = PROBE.replace("LISTENER", str(port))
+    dockerfile = "FROM python\nCOPY probe.py /probe.py\nRUN python3 /probe.py; false\n"
+    try:
+        with daemon.client() as api:
+            api.timeout = 900
+            result, events = build(api, f"probe-{port}", {"Dockerfile": dockerfile.encode(),
+                                                          "probe.py": probe.encode()})
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nothing from the guest ever arrived
+    finally:
+        listener.close()
+    out = "".join(e["text"] for e in events if e["type"] == "output")
+    lines = dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
+    assert "pypi" in lines, (out, events[-4:])
+    assert lines["proxy-port"] == "open", out
+    assert lines["host-listener"] == "blocked", out
+    assert lines["pypi"].startswith("HTTP/1.1 200"), out
+    assert lines["other-host"].startswith("HTTP/1.1 403"), out
+    assert lines["other-port"].startswith("HTTP/1.1 403"), out
+    assert result["state"] == "failed"  # `false`: nothing of the probe is kept as a layer
