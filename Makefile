@@ -31,21 +31,26 @@ $(VENV)/.installed: pyproject.toml sdk/python/pyproject.toml
 images: setup
 	$(BIN)/agentbox-server images build --config $(CONFIG) $(if $(DATA_DIR),--images-dir $(DATA_DIR)/images)
 
-run: images
+# `make run` waits only for the default template (RUN_TEMPLATE); the daemon builds the other
+# configured templates in the background, one at a time at low priority (docs/images.md).
+RUN_TEMPLATE ?= python
+run: setup
+	$(BIN)/agentbox-server images build $(RUN_TEMPLATE) --config $(CONFIG) $(if $(DATA_DIR),--images-dir $(DATA_DIR)/images)
 	$(BIN)/agentbox-server serve $(SERVE_ARGS)
 
-# The e2e suite serves the templates in its own config (python + python-datascience).
+# The e2e suite serves the templates in its own config (python + python-datascience); it does
+# not need the other templates `make run` serves (node, minimal are built by the daemon).
 TEST_CONFIG := tests/e2e/agentbox-test.toml
 test-images: setup
 	$(BIN)/agentbox-server images build --config $(TEST_CONFIG)
 
-test: images test-images
+test: setup test-images
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-unit: setup
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
-test-e2e: images test-images
+test-e2e: setup test-images
 	$(BIN)/python -m pytest tests/e2e $(PYTEST_ARGS)
 
 # Opt-in: compiles a Firecracker-ready vmlinux from Debian's linux-source (minutes).

@@ -30,8 +30,9 @@ def _view(svc: SandboxService, t: Template) -> dict[str, Any]:
 @routes.get("/v1/templates")
 async def list_templates(request: web.Request) -> web.Response:
     svc = _service(request)
+    pending = svc.builtin_builds.views() if svc.builtin_builds is not None else []
     return json_response({"templates": [
-        _view(svc, t) for t in svc.templates.list(current_key(request).id)]})
+        _view(svc, t) for t in svc.templates.list(current_key(request).id)] + pending})
 
 
 @routes.get("/v1/templates/{name}")

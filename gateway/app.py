@@ -17,6 +17,7 @@ from aiohttp import web
 
 from gateway import (
     api,
+    api_builds,
     api_interp,
     api_keys,
     api_templates,
@@ -67,6 +68,9 @@ async def load_goldens(config: Config) -> tuple[vm_backend.Backend | None, dict[
     images = {}
     for name in config.sandbox.templates:
         image = load_template(name, config.server.images_dir)
+        if image is None and config.build.background_builtins:
+            log.info("template %r is not built yet: building it in the background", name)
+            continue
         if image is None:
             log.error("template %r is not built in %s: run `make images` "
                       "(or `agentbox-server images build %s`)", name, config.server.images_dir,
@@ -115,6 +119,8 @@ def build_app(config: Config) -> web.Application:
     app[terminal.MAX_WS_KEY] = config.server.max_ws_message_bytes
     app.add_routes(api.routes)
     app.add_routes(api_interp.routes)
+    app.add_routes(api_builds.routes)  # before api_templates: /v1/templates/builds
+    app[api_builds.MAX_CONTEXT_KEY] = config.build.max_context_bytes
     app.add_routes(api_templates.routes)
     app.add_routes(api_controls.routes)
     app.add_routes(api_keys.routes)
@@ -172,11 +178,13 @@ async def _serve(app: web.Application, config: Config,
     app[api.SERVICE_KEY] = service
     await reconcile(service)
     service.start()
+    api_builds.attach(app, config, service)  # Dockerfile builds; built-ins still missing
     log.info("agentbox ready on http://%s (vmm %s/%s; templates: %s)", config.server.listen,
              backend.driver_name, backend.accel.value, ", ".join(sorted(goldens)) or "none")
     try:
         yield
     finally:
+        await api_builds.detach(app, service)
         await service.aclose()
 
 

@@ -124,6 +124,26 @@ class PoolConfig:
     def __post_init__(self) -> None:
         if self.size < -1 or self.size > 64:
             raise ValueError("size must be -1 (auto), 0 (off) or up to 64")
+class BuildConfig:
+    """Templates built from a Dockerfile (gateway.builds, docs/templates.md)."""
+
+    # The only hosts a builder VM's proxy connects to (HTTP CONNECT to :443, plain HTTP to :80).
+    registry_hosts: tuple[str, ...] = ("deb.debian.org", "security.debian.org", "pypi.org",
+                                       "files.pythonhosted.org", "registry.npmjs.org")
+    # CA bundle builder VMs trust for HTTPS (the host's: the host is what reaches the
+    # registries, through whatever TLS proxy it trusts); "" = the guest's own.
+    ca_bundle: str = "/etc/ssl/certs/ca-certificates.crt"
+    max_context_bytes: int = 64 * 1024 * 1024  # build context upload (a tar)
+    step_timeout: float = 1800.0  # seconds per RUN step
+    build_timeout: float = 3600.0  # seconds per build
+    background_builtins: bool = True  # build missing served templates after start-up
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "registry_hosts", tuple(self.registry_hosts))
+        if self.max_context_bytes < 1024:
+            raise ValueError("max_context_bytes must be >= 1024")
+        if not 0 < self.step_timeout <= self.build_timeout:
+            raise ValueError("step_timeout must be > 0 and <= build_timeout")
 
 
 @dataclass(frozen=True)
@@ -134,6 +154,7 @@ class Config:
     tenancy: TenancyConfig = field(default_factory=TenancyConfig)  # gateway.quotas
     pool: PoolConfig = field(default_factory=PoolConfig)  # gateway.pool
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)  # gateway.resources
+    build: BuildConfig = field(default_factory=BuildConfig)
 
 
 def _section(cls: type, data: dict[str, Any], name: str) -> Any:
@@ -156,7 +177,7 @@ def load(path: Path | None = None, **overrides: Any) -> Config:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
     unknown = set(raw) - {"server", "sandbox", "vm", "network", "firecracker", "confine",
-                          "tenancy", "pool", "resources"}
+                          "tenancy", "pool", "resources", "build"}
     if unknown:
         raise ConfigError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}")
     server_raw = dict(raw.get("server", {}))
@@ -172,4 +193,5 @@ def load(path: Path | None = None, **overrides: Any) -> Config:
                   sandbox=_section(SandboxConfig, raw.get("sandbox", {}), "sandbox"), vm=vm,
                   tenancy=_section(TenancyConfig, raw.get("tenancy", {}), "tenancy"),
                   pool=_section(PoolConfig, raw.get("pool", {}), "pool"),
-                  resources=_section(ResourcesConfig, raw.get("resources", {}), "resources"))
+                  resources=_section(ResourcesConfig, raw.get("resources", {}), "resources"),
+                  build=_section(BuildConfig, raw.get("build", {}), "build"))

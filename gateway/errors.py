@@ -96,6 +96,8 @@ ERROR_CODES: dict[str, str] = {
     "websocket_required": "the endpoint is a WebSocket: send an Upgrade",
     "invalid_resources": "vcpus, memory_mib or disk_mib is not possible (see the message)",
     "bad_template_name": "a template name is not 1-63 characters of [a-z0-9._-]",
+    "bad_dockerfile": "the Dockerfile is outside the supported subset (the message names the line)",
+    "bad_context": "the build context is not a usable tar",
     "http_error": "any other HTTP error from the web framework",
     # 401/403: who is asking
     "unauthorized": "not authenticated",
@@ -109,6 +111,7 @@ ERROR_CODES: dict[str, str] = {
     "not_found": "the object or file does not exist",
     "no_route": "no route matches the request's path",
     "sandbox_not_found": "no such sandbox (for this key)",
+    "build_not_found": "no such template build (for this key)",
     "template_not_found": "no such template",
     "context_not_found": "no such interpreter context",
     "process_not_found": "no such background process",
@@ -117,6 +120,7 @@ ERROR_CODES: dict[str, str] = {
     "method_not_allowed": "the route exists, not with this method (405)",
     # 409: the state
     "conflict": "the sandbox's state does not allow this",
+    "build_running": "a build of that template name is already running for this key",
     "not_running": "the sandbox or process is not running",
     "stdin_closed": "the process's stdin was already closed",
     "context_exists": "an interpreter context of that name exists",
@@ -164,6 +168,8 @@ ERROR_CODES: dict[str, str] = {
     "hold_queue_full": "too many requests wait for this sandbox to wake",
     "sandbox_limit": "the host is at capacity",
     "template_building": "the template is still being built; see Retry-After",
+    "template_build_failed": "the built-in template failed to build (see GET /v1/templates)",
+    "builds_unavailable": "template builds are not available on this host",
     "unavailable": "the host is busy; see Retry-After",
     "no_space": "the sandbox's disk is full",
 }

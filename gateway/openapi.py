@@ -190,11 +190,27 @@ def _gateway_schemas() -> dict[str, Any]:
             "name": _STR, "mem_mib": _INT, "default": _BOOL, **_TEMPLATE_SHAPE,
             "owner": {"type": "string", "enum": ["builtin", "tenant"]},
             "source": {"type": "string", "enum": ["builtin", "snapshot", "fork", "dockerfile"]},
-            "state": {"type": "string", "enum": ["ready", "building", "deleting"]},
-            "progress": {"type": "string", "description": "while building"},
+            "state": {"type": "string", "enum": ["ready", "building", "failed", "deleting"]},
+            "progress": _obj({"stage": _STR, "stage_index": _INT, "stages": _INT,
+                              "elapsed_s": _NUM, "last": _STR},
+                             description="a built-in template while it builds"),
+            "error": _STR,
             "created_at": _NUM, "size_bytes": _INT, "from_sandbox": _STR,
             "paused_ms": {"type": "number", "description": "snapshot only: how long the "
                           "source sandbox was paused"}}, ("name",)),
+        "Build": _obj({"id": _STR, "name": _STR,
+                       "state": {"type": "string",
+                                 "enum": ["queued", "running", "ready", "failed"]},
+                       "created_at": _NUM, "finished_at": _NNUM, "step": _INT, "steps": _INT,
+                       "cached_steps": _INT, "error": _NSTR,
+                       "template": {"type": ["object", "null"]}},
+                      ("id", "name", "state", "steps")),
+        "BuildResponse": _obj({"build": _ref("Build")}, ("build",)),
+        "BuildEvent": _obj({"type": {"type": "string", "enum": [
+            "queued", "step", "output", "step_done", "error", "done"]}, "t": _NUM},
+            ("type",), additionalProperties=True,
+            description="step: n, of, text, cached; output: n, stream, text; step_done: n, "
+                        "seconds; error: message, exit_code; done: state, template|error"),
         "TemplateList": _list_of("templates", "Template"),
         "SnapshotRequest": _obj({"template": {
             "type": "string", "pattern": "^[a-z0-9][a-z0-9._-]{0,62}$",
@@ -398,6 +414,16 @@ OPS: tuple[Op, ...] = (
     Op("GET", "/v1/openapi.json", "This document", "meta", returns="object"),
     Op("GET", "/v1/templates", "List templates: built-in and the key's own", "templates",
        returns="TemplateList"),
+    Op("POST", "/v1/templates/builds", "Build a template from a Dockerfile (body: the build "
+       "context as a tar holding the Dockerfile)", "templates", 202, "bytes", "BuildResponse",
+       (400, 404, 409, 413, 503), query=(
+           ("name", "the template's name", {"type": "string"}),
+           ("dockerfile", "the Dockerfile's path in the context (default Dockerfile)",
+            {"type": "string"}))),
+    Op("GET", "/v1/templates/builds/{build_id}", "Get a build", "templates",
+       returns="BuildResponse", errors=(404,)),
+    Op("GET", "/v1/templates/builds/{build_id}/log", "A build's log as NDJSON events (follows "
+       "the build until it ends)", "templates", returns="ndjson:BuildEvent", errors=(404,)),
     Op("GET", "/v1/templates/{name}", "Get a template", "templates", returns="Template",
        errors=(404,)),
     Op("DELETE", "/v1/templates/{name}", "Delete one of the key's templates (its files stay "

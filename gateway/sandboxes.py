@@ -25,6 +25,7 @@ from typing import Any
 from gateway import lifetimes, pause, pool, quotas, resources
 from gateway.config import Config
 from gateway.controller import HoldCounter, SandboxController, Wake, WakePolicy
+from gateway.builtin_builds import BuiltinBuilds
 from gateway.errors import BadRequest, Conflict, SandboxNotFound, Unavailable
 from gateway.lifecycle import State
 from gateway.metrics import Metrics
@@ -32,6 +33,7 @@ from gateway.registry import Registry, SandboxRecord
 from gateway.egress_api import policy_of
 from gateway.shapes import ShapeGoldens
 from gateway.templates import TemplateCatalog
+from images.templates import ALIASES
 from vmctl import network
 from vmctl.backend import Backend
 from vmctl.golden import BUILD_SLOTS, Golden, load_golden_dir
@@ -52,6 +54,7 @@ class SandboxService:
         self.registry = registry
         self.backend = backend
         self.goldens = goldens
+        self.builtin_builds: BuiltinBuilds | None = None  # gateway.builtin_builds (set by app)
         self.policy = policy or WakePolicy(
             suspend_after_pause=config.sandbox.suspend_after_pause)
         self.holds = HoldCounter()
@@ -59,8 +62,9 @@ class SandboxService:
         self._controllers: dict[str, SandboxController] = {}
         self._tasks: set[asyncio.Task] = set()
         self._golden_cache: dict[str, Golden] = {str(g.dir): g for g in goldens.values()}
+        # Served names and their aliases are reserved: no tenant template may take one.
         self.templates = TemplateCatalog(registry, config.server.data_dir / "templates", goldens,
-                                         config.sandbox.templates)
+                                         [*config.sandbox.templates, *ALIASES])
         self._idle_task: asyncio.Task | None = None
         size = config.pool.size if config.pool.size >= 0 else \
             pool.auto_size(pool.mem_total_mib(), len(goldens))
@@ -92,6 +96,10 @@ class SandboxService:
                      egress: dict[str, Any] | None = None,
                      shape_request: resources.ShapeRequest | None = None) -> SandboxRecord:
         template = template or self.config.sandbox.default_template
+        if template not in self.goldens and template in ALIASES:
+            template = ALIASES[template]  # reserved: no tenant template has an alias's name
+        if template not in self.goldens and self.builtin_builds is not None:
+            self.builtin_builds.check(template)  # 503 while a built-in is still building
         golden = self.templates.resolve(tenant, template)
         builtin = self.goldens.get(template) is golden
         shape = self.shape_for(tenant, template, shape_request or resources.ShapeRequest(),

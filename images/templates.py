@@ -14,6 +14,10 @@ from dataclasses import dataclass
 BASE_PACKAGES = ("python3", "python3-aiohttp", "iproute2", "procps", "ca-certificates")
 
 
+MINIMAL_TOOLS = ("git", "curl", "wget", "jq", "less", "file", "unzip", "zip", "xz-utils",
+                 "bzip2", "vim-tiny", "openssh-client")
+
+
 @dataclass(frozen=True)
 class TemplateSpec:
     name: str
@@ -45,7 +49,8 @@ SPECS: dict[str, TemplateSpec] = {spec.name: spec for spec in (
     ),
     TemplateSpec(
         name="minimal",
-        packages=(),
+        # bash and coreutils are Essential; the command-line tools people reach for first.
+        packages=MINIMAL_TOOLS,
         mem_mib=256,
         warmup="",
     ),
@@ -61,19 +66,30 @@ SPECS: dict[str, TemplateSpec] = {spec.name: spec for spec in (
     ),
     TemplateSpec(
         name="python-datascience",
-        # python3-munkres satisfies fonttools' "scipy | munkres": without it apt
-        # picks scipy, whose pythran dependency drags in g++ and boost (+700 MB).
+        # scikit-learn needs scipy, and Debian's python3-scipy hard-depends on pythran,
+        # which drags in g++ and boost (~+700 MB): the price of scikit-learn from Debian.
+        # (python3-munkres satisfies fonttools' "scipy | munkres" either way.)
         packages=("python3-pip", "python3-venv", "python3-numpy", "python3-pandas",
-                  "python3-matplotlib", "python3-munkres"),
+                  "python3-matplotlib", "python3-munkres", "python3-sklearn"),
         mem_mib=1024,
         warmup=(
             "import matplotlib\nmatplotlib.use('Agg')\n"
-            "import numpy, pandas, matplotlib.pyplot\n"
+            "import numpy, pandas, matplotlib.pyplot, sklearn, sklearn.linear_model\n"
         ),
         headroom_mib=2048,
         preload=("asyncio", "datetime", "json", "pathlib", "re", "subprocess",
-                 "numpy", "pandas", "matplotlib", "matplotlib.pyplot"),
+                 "numpy", "pandas", "matplotlib", "matplotlib.pyplot", "sklearn",
+                 "sklearn.linear_model"),
     ),
 )}
 
 TEMPLATES: tuple[str, ...] = tuple(SPECS)
+
+# Other names a create (or a Dockerfile's FROM) may use for a built-in template.
+ALIASES: dict[str, str] = {
+    "python3": "python", "py": "python",
+    "datascience": "python-datascience", "python-data": "python-datascience",
+    "data-science": "python-datascience",
+    "nodejs": "node", "javascript": "node", "js": "node",
+    "debian": "minimal", "bash": "minimal", "shell": "minimal",
+}

@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parent / "agentbox"
 # async source -> generated sync module (in agentbox/)
 MODULES = {"async_commands.py": "commands.py", "async_sandbox.py": "sandbox.py",
            "async_client.py": "client.py", "async_files.py": "files.py",
-           "async_sessions.py": "sessions.py"}
+           "async_sessions.py": "sessions.py", "async_builds.py": "builds.py"}
 
 _RULES: list[tuple[str, str]] = [
     # (await x.f()).attr -> x.f().attr; not a call's own parentheses: g(await x.f())

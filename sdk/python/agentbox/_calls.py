@@ -140,6 +140,17 @@ def under(directory: str, path: str) -> str:
     if not isinstance(path, str) or not path:
         raise InvalidArgumentError("a sandbox path is required", code="invalid_path")
     return path if path.startswith("/") else posixpath.join(directory, path)
+def start_build(name: str, dockerfile: str, context_tar: bytes) -> Call:
+    return Call("POST", "/v1/templates/builds", params={"name": name, "dockerfile": dockerfile},
+                content=context_tar, headers={"Content-Type": "application/x-tar"})
+
+
+def get_build(build_id: str) -> Call:
+    return Call("GET", f"/v1/templates/builds/{quote(build_id, safe='')}")
+
+
+def build_log(build_id: str) -> Call:
+    return Call("GET", f"/v1/templates/builds/{quote(build_id, safe='')}/log", timeout=None)
 
 
 def server_info() -> Call:

@@ -1,4 +1,5 @@
-"""``agentbox templates [ls] | rm NAME...``, ``agentbox snapshot SBX NAME``,
+"""``agentbox templates [ls] | rm NAME... | build [-f FILE] -t NAME [CONTEXT]``,
+``agentbox snapshot SBX NAME``,
 ``agentbox fork SBX [-n N]`` (added to the CLI by ``agentbox.client_cli``)."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from agentbox import _cli_builds
 from agentbox import _cli_output as out
 from agentbox.client import AgentBox
 from agentbox.exceptions import TemplateNotFoundError
@@ -15,9 +17,9 @@ AddCommand = Callable[..., argparse.ArgumentParser]
 
 
 def add_commands(cmd: AddCommand) -> None:
-    p = cmd("templates", cmd_templates, "list templates (ls), or delete the key's own (rm)")
-    p.add_argument("action", nargs="?", choices=("ls", "rm"), default="ls")
-    p.add_argument("names", nargs="*", help="rm: templates to delete")
+    p = cmd("templates", cmd_templates, "list templates (ls), delete the key's own (rm NAME...), "
+            "or build one from a Dockerfile (build -f FILE -t NAME [CONTEXT])")
+    _cli_builds.add_arguments(p)
     p = cmd("snapshot", cmd_snapshot, "save a sandbox (memory, processes, files) as a template")
     p.add_argument("sandbox")
     p.add_argument("name", help="the new template's name")
@@ -31,11 +33,14 @@ def _client(args: argparse.Namespace) -> AgentBox:
 
 
 def cmd_templates(args: argparse.Namespace) -> int:
+    words = args.words or ["ls"]
     with _client(args) as box:
-        if args.action == "rm":
-            if not args.names:
+        if words[0] == "rm":
+            if len(words) < 2:
                 raise SystemExit("agentbox: templates rm needs a NAME")
-            return out.remove_each(args.names, lambda n: _delete(box, n), "template", args.json)
+            return out.remove_each(words[1:], lambda n: _delete(box, n), "template", args.json)
+        if _cli_builds.action(args) == "build":
+            return _cli_builds.cmd_build(args, box)
         templates = box.templates.list()
     if args.json:
         out.print_json(templates)

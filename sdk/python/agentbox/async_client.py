@@ -18,6 +18,7 @@ import httpx
 
 from agentbox import _calls, _common
 from agentbox._transport import AsyncTransport, ClientConfig
+from agentbox.async_builds import AsyncBuilds
 from agentbox.async_sandbox import AsyncSandbox
 from agentbox.exceptions import NotFoundError, SandboxNotFoundError
 from agentbox.async_sessions import AsyncSessions
@@ -41,6 +42,7 @@ class AsyncAgentBox:
         self._server_info: ServerInfo | None = None
         self.sessions = AsyncSessions(self)
         self.templates = AsyncTemplates(self._transport)
+        self.builds = AsyncBuilds(self._transport)  # templates from a Dockerfile (logs, get)
 
     def __repr__(self) -> str:
         return f"<AsyncAgentBox {self.config.base_url}>"
@@ -148,10 +150,12 @@ def _sandboxes(data: Any) -> list[SandboxInfo]:
 
 class AsyncTemplates:
     """``box.templates``: the built-in templates and this key's own (made with
-    ``sandbox.snapshot(name)``). ``await box.templates()`` is ``list()``."""
+    ``sandbox.snapshot(name)`` or from a Dockerfile with ``build``). ``await
+    box.templates()`` is ``list()``."""
 
     def __init__(self, transport: AsyncTransport) -> None:
         self._t = transport
+        self.build = AsyncBuilds(transport).build  # see AsyncBuilds.build
 
     async def list(self) -> builtins.list[Template]:
         return [Template.from_dict(t)

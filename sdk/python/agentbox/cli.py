@@ -20,8 +20,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Like ``parse_args``, except that a command with a ``words`` list (``templates``) also
+    takes positionals after its options (``templates build -t NAME CONTEXT``), which
+    argparse cannot match to optional positionals on its own."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not isinstance(getattr(args, "words", None), list):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.words = [*args.words, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -17,6 +17,7 @@ import httpx
 
 from agentbox import _calls, _common
 from agentbox._transport import SyncTransport, ClientConfig
+from agentbox.builds import Builds
 from agentbox.sandbox import Sandbox
 from agentbox.exceptions import NotFoundError, SandboxNotFoundError
 from agentbox.sessions import Sessions
@@ -39,6 +40,7 @@ class AgentBox:
         self._server_info: ServerInfo | None = None
         self.sessions = Sessions(self)
         self.templates = Templates(self._transport)
+        self.builds = Builds(self._transport)  # templates from a Dockerfile (logs, get)
 
     def __repr__(self) -> str:
         return f"<AgentBox {self.config.base_url}>"
@@ -146,10 +148,12 @@ def _sandboxes(data: Any) -> list[SandboxInfo]:
 
 class Templates:
     """``box.templates``: the built-in templates and this key's own (made with
-    ``sandbox.snapshot(name)``). ``box.templates()`` is ``list()``."""
+    ``sandbox.snapshot(name)`` or from a Dockerfile with ``build``). ``await
+    box.templates()`` is ``list()``."""
 
     def __init__(self, transport: SyncTransport) -> None:
         self._t = transport
+        self.build = Builds(transport).build  # see Builds.build
 
     def list(self) -> builtins.list[Template]:
         return [Template.from_dict(t)

@@ -189,6 +189,17 @@ class StorageFullError(SandboxError):
     code = "no_space"
 
 
+class TemplateBuildError(AgentBoxError):
+    """A template build from a Dockerfile ended ``failed``; ``build`` is the TemplateBuild
+    (``build.error`` names the step and its exit code)."""
+
+    code = "build_failed"
+
+    def __init__(self, build: Any) -> None:
+        super().__init__(f"template build {build.id} ({build.name}) failed: {build.error}")
+        self.build = build
+
+
 SandboxTimeoutError = TimeoutError
 RateLimitedError = RateLimitError
 
@@ -214,7 +225,10 @@ _BY_CODE: dict[str, type[AgentBoxError]] = {
 _BY_STATUS_CODES = frozenset({
     "bad_request", "bad_json", "invalid_type", "invalid_path", "invalid_cwd", "invalid_egress",
     "not_a_directory",
-    "is_a_directory", "bad_session_name", "websocket_required", "http_error", "unauthorized",
+    "is_a_directory", "bad_session_name", "bad_template_name", "bad_dockerfile",
+    "bad_context", "build_not_found", "build_running", "template_building",
+    "template_build_failed", "builds_unavailable", "websocket_required", "http_error",
+    "unauthorized",
     "forbidden", "cross_origin_refused", "port_reserved", "not_found", "key_not_found",
     "invalid_resources", "resource_limit",
     "conflict", "not_running", "stdin_closed", "context_exists", "session_name_taken",
@@ -225,8 +239,7 @@ _BY_STATUS_CODES = frozenset({
     "snapshot_invalid", "restore_failed", "wake_timeout", "sandbox_crashed",
     "image_error", "disk_error", "network_error", "context_start_failed", "forward_failed",
     "port_not_listening", "port_closed", "bad_gateway", "upstream_timeout", "hold_queue_full",
-    "sandbox_limit", "unavailable", "bad_template_name", "template_exists", "template_builtin",
-    "template_building",
+    "sandbox_limit", "unavailable", "template_exists", "template_builtin",
 })
 
 _BY_STATUS: dict[int, type[AgentBoxError]] = {

@@ -66,7 +66,8 @@ class SandboxInfo:
 @dataclass(frozen=True)
 class Template:
     """A template: ``owner`` "builtin" (every key's) or "tenant" (this key's own, made by
-    ``sandbox.snapshot``); ``state`` ready, building (``progress``) or deleting."""
+    ``sandbox.snapshot``, a fork or a Dockerfile build); ``state`` ready, building
+    (``progress``: stage, elapsed_s, ...), failed (``error``) or deleting."""
 
     name: str
     mem_mib: int | None = None
@@ -80,7 +81,8 @@ class Template:
     owner: str = "builtin"
     source: str = "builtin"
     state: str = "ready"
-    progress: str | None = None
+    progress: dict[str, Any] | None = None
+    error: str | None = None
     created_at: float | None = None
     size_bytes: int = 0
     from_sandbox: str | None = None
@@ -109,6 +111,29 @@ class OutputFile:
     @classmethod
     def list_from(cls, items: Any) -> list[OutputFile]:
         return [cls.from_dict(f) for f in items or []]
+
+
+@dataclass(frozen=True)
+class TemplateBuild:
+    """A build from a Dockerfile: ``state`` queued, running, ready or failed; ``step`` of
+    ``steps`` (``cached_steps`` of them from the cache); ``template`` once ready."""
+
+    id: str
+    name: str
+    state: str
+    steps: int = 0
+    step: int = 0
+    cached_steps: int = 0
+    error: str | None = None
+    created_at: float | None = None
+    finished_at: float | None = None
+    template: dict[str, Any] | None = None
+
+    @classmethod
+    def from_dict(cls, data: Any) -> TemplateBuild:
+        _get(data, "id", "build")
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 @dataclass(frozen=True)

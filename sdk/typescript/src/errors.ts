@@ -177,7 +177,7 @@ function codes(cls: ErrorClass, names: string): Array<[string, ErrorClass]> {
 export const ERROR_CODES: ReadonlyMap<string, ErrorClass> = new Map<string, ErrorClass>([
   ...codes(InvalidArgumentError, `bad_request bad_json invalid_type invalid_path invalid_cwd invalid_egress
     not_a_directory is_a_directory bad_session_name websocket_required http_error
-    invalid_resources bad_template_name`),
+    invalid_resources bad_template_name bad_dockerfile bad_context`),
   ...codes(AuthenticationError, "missing_api_key invalid_api_key unauthorized"),
   ...codes(PermissionDeniedError, "forbidden port_reserved cross_origin_refused resource_limit"),
   ...codes(SandboxNotFoundError, "sandbox_not_found"),
@@ -185,10 +185,11 @@ export const ERROR_CODES: ReadonlyMap<string, ErrorClass> = new Map<string, Erro
   ...codes(ContextNotFoundError, "context_not_found"),
   ...codes(ProcessNotFoundError, "process_not_found"),
   ...codes(SessionNotFoundError, "session_not_found"),
-  ...codes(NotFoundError, "session_not_ready key_not_found not_found port_not_listening"),
+  ...codes(NotFoundError, `session_not_ready key_not_found not_found port_not_listening
+    build_not_found`),
   ...codes(EndpointNotFoundError, "no_route method_not_allowed"),
   ...codes(ConflictError, `conflict not_running suspend_cancelled stdin_closed context_exists
-    session_name_taken template_exists template_builtin`),
+    session_name_taken template_exists template_builtin build_running`),
   ...codes(QuotaExceededError, "quota_exceeded"),
   ...codes(PayloadTooLargeError, "payload_too_large too_large"),
   ...codes(RateLimitError, "rate_limited too_many_contexts too_many_processes too_many_requests"),
@@ -198,7 +199,7 @@ export const ERROR_CODES: ReadonlyMap<string, ErrorClass> = new Map<string, Erro
     snapshot_invalid agent_unreachable agent_error agent_protocol_error agent_reply_too_large
     port_closed bad_gateway vm_error`),
   ...codes(UnavailableError, `unavailable sandbox_limit hold_queue_full sandbox_crashed
-    template_building`),
+    template_building template_build_failed builds_unavailable`),
   ...codes(TimeoutError, "vm_timeout wake_timeout upstream_timeout agent_timeout"),
   ...codes(StorageFullError, "no_space"),
   // 499: logged when the client has gone; no client reads it, but it is a server code.
