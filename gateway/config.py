@@ -124,6 +124,9 @@ class PoolConfig:
     def __post_init__(self) -> None:
         if self.size < -1 or self.size > 64:
             raise ValueError("size must be -1 (auto), 0 (off) or up to 64")
+
+
+@dataclass(frozen=True)
 class BuildConfig:
     """Templates built from a Dockerfile (gateway.builds, docs/templates.md)."""
 
