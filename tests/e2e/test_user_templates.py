@@ -86,6 +86,38 @@ def test_the_briefs_upload_then_read_input_example(daemon, source):
         assert [(f.path, f.size) for f in execution.files] == [("/output/run.txt", 2)]
 
 
+def test_the_briefs_datascience_example_through_the_sdk_unchanged(daemon):
+    """The product brief's own example, as written (only the key and URL are this test's)."""
+    import json
+
+    csv_bytes = b"x,y\n1,10\n2,20\n3,30\n4,40\n"
+    box = AgentBox(api_key=daemon.admin_key, base_url=daemon.url)
+    try:
+        sandbox = box.create(environment="python-datascience")
+        try:
+            sandbox.upload("data.csv", csv_bytes)   # the brief then reads it as '/input/data.csv'
+            result = sandbox.execute("""
+import pandas as pd
+df = pd.read_csv('/input/data.csv')
+print(df.describe().to_json())
+""")
+            stats = json.loads(result.stdout)  # JSON
+            assert stats["x"]["mean"] == 2.5 and stats["y"]["max"] == 40.0, result.stdout
+            assert result.files == []  # nothing written to /output/
+            # The template's warm packages are there too, and files under /output/ are listed.
+            more = sandbox.execute("import sklearn, matplotlib, numpy\n"
+                                   "import pandas as pd\n"
+                                   "pd.read_csv('/input/data.csv').describe()"
+                                   ".to_csv('/output/stats.csv')")
+            assert more.error is None, more.stderr
+            assert [f.path for f in more.files] == ["/output/stats.csv"]
+            assert sandbox.download("stats.csv").startswith(b",x,y")
+        finally:
+            sandbox.kill()
+    finally:
+        box.close()
+
+
 def test_snapshot_template_fork_and_delete(daemon, api, source):
     r = api.post(f"/v1/sandboxes/{source}/snapshot", json={"template": "e2e-tpl"}, timeout=SLOW)
     assert r.status_code == 201, r.text
