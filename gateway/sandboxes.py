@@ -104,11 +104,11 @@ class SandboxService:
         builtin = self.goldens.get(template) is golden
         shape = self.shape_for(tenant, template, shape_request or resources.ShapeRequest(),
                                golden)
+        await self.make_room(tenant)  # at max_awake: snapshot one of its paused sandboxes
         # Checked before a possibly long golden build, and again (synchronously) by _reserve.
         limits = self.limits(tenant)
         quotas.check_create(tenant, limits, self._usage(tenant, bool(limits.max_disk_mib)),
                             self._counted_disk(golden, shape))
-        await self.make_room(tenant)
         times = lifetimes.at_create(lifetime or lifetimes.Lifetimes(), self.config.sandbox,
                                     time.time())
         if builtin and shape == resources.Shape(golden.vcpus, golden.mem_mib, golden.disk_mib):
