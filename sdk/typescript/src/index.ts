@@ -21,7 +21,7 @@ export { Session, Sessions } from "./sessions.js";
 export { Terminal, type TerminalOptions } from "./terminal.js";
 export type { ListFilters, SessionSpec } from "./calls.js";
 export {
-  CommandResult, ExecResult, Execution, ExecutionError, Result,
+  CommandResult, ExecResult, Execution, ExecutionError, Result, type OutputFile,
   type CodeContext, type FileInfo, type OutputChunk, type PreviewAccess, type ProcessInfo,
   type SandboxInfo, type SandboxState, type ServerInfo, type SessionView, type StartState,
   type Template, type SandboxPage, type Usage, type KeyUsage, type SandboxUsage, type UsageFigures,

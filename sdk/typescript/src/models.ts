@@ -61,6 +61,8 @@ export interface SandboxInfo {
   vcpus: number | null;
   memoryMib: number | null;
   diskMib: number | null;
+  /** Its egress policy: `{default, allow, deny, source}` (docs/api.md). */
+  egress: Record<string, unknown> | null;
 }
 
 export function parseSandbox(data: unknown): SandboxInfo {
@@ -80,6 +82,7 @@ export function parseSandbox(data: unknown): SandboxInfo {
     expiresAt: numOrNull(d.expires_at), autoDeleteAfter: num(d.auto_delete_after) ?? 0,
     deleteAt: numOrNull(d.delete_at),
     vcpus: numOrNull(d.vcpus), memoryMib: numOrNull(d.memory_mib), diskMib: numOrNull(d.disk_mib),
+    egress: (d.egress as Record<string, unknown> | null | undefined) ?? null,
   };
 }
 
@@ -191,15 +194,50 @@ export function parseLogs(data: unknown): SandboxLogs {
   };
 }
 
+/** A template: `owner` "builtin" or "tenant" (the key's own: a snapshot, a fork's or a
+ * Dockerfile build); `state` ready, building (`progress`), failed (`error`) or deleting. */
 export interface Template {
   name: string;
   memMib: number | undefined;
   default: boolean;
+  owner: string;
+  source: string;
+  state: string;
+  progress: Record<string, unknown> | null;
+  error: string | null;
+  createdAt: number | undefined;
+  sizeBytes: number;
+  fromSandbox: string | null;
+  pausedMs: number | null;
+  /** Default shape and per-sandbox limits (built-in templates). */
+  vcpus: number | undefined;
+  diskMib: number | undefined;
+  maxVcpus: number | undefined;
+  maxMemoryMib: number | undefined;
+  maxDiskMib: number | undefined;
 }
 
 export function parseTemplate(data: unknown): Template {
   const d = obj(data, "template");
-  return { name: str(need(d, "name", "template")), memMib: num(d.mem_mib), default: Boolean(d.default) };
+  return {
+    name: str(need(d, "name", "template")), memMib: num(d.mem_mib), default: Boolean(d.default),
+    owner: str(d.owner ?? "builtin"), source: str(d.source ?? "builtin"), state: str(d.state ?? "ready"),
+    progress: (d.progress as Record<string, unknown> | null | undefined) ?? null,
+    error: strOrNull(d.error), createdAt: num(d.created_at), sizeBytes: num(d.size_bytes) ?? 0,
+    fromSandbox: strOrNull(d.from_sandbox), pausedMs: numOrNull(d.paused_ms),
+    vcpus: num(d.vcpus), diskMib: num(d.disk_mib), maxVcpus: num(d.max_vcpus),
+    maxMemoryMib: num(d.max_memory_mib), maxDiskMib: num(d.max_disk_mib),
+  };
+}
+
+/** A file a run created or changed under `/output/` (download it with `files.read`). */
+export interface OutputFile { path: string; size: number }
+
+function parseOutputFiles(items: unknown): OutputFile[] {
+  return (Array.isArray(items) ? items : []).map((f) => {
+    const d = obj(f, "output file");
+    return { path: str(need(d, "path", "output file")), size: Number(need(d, "size", "output file")) };
+  });
 }
 
 /** `GET /v1/info`: `previewUrlTemplate` holds `{port}` and `{id}`, `sessionUrlTemplate` `{name}`. */
@@ -327,6 +365,8 @@ export class Execution {
     readonly executionCount: number | undefined,
     readonly durationMs: number | undefined,
     readonly truncated = false,
+    /** Files the run created or changed under `/output/`. */
+    readonly files: OutputFile[] = [],
   ) {}
 
   static parse(data: unknown): Execution {
@@ -335,7 +375,7 @@ export class Execution {
     const results = Array.isArray(d.results) ? d.results.map((r) => Result.parse(r)) : [];
     return new Execution(str(d.stdout), str(d.stderr), results,
       err === null || err === undefined ? null : ExecutionError.parse(err),
-      num(d.execution_count), num(d.duration_ms), Boolean(d.truncated));
+      num(d.execution_count), num(d.duration_ms), Boolean(d.truncated), parseOutputFiles(d.files));
   }
 
   /** text/plain of the main result (the value of the last expression), if any. */
@@ -365,13 +405,15 @@ export class ExecResult {
     readonly timedOut = false,
     readonly truncated = false,
     readonly language: string | undefined = undefined,
+    /** Files the run created or changed under `/output/`. */
+    readonly files: OutputFile[] = [],
   ) {}
 
   static parse(data: unknown, language?: string): ExecResult {
     const d = obj(data, "exec result");
     return new ExecResult(str(need(d, "stdout", "exec result")), str(d.stderr),
       Number(need(d, "exit_code", "exec result")), num(d.duration_ms) ?? 0,
-      Boolean(d.timed_out), Boolean(d.truncated), language);
+      Boolean(d.timed_out), Boolean(d.truncated), language, parseOutputFiles(d.files));
   }
 
   get ok(): boolean {
