@@ -16,6 +16,13 @@ SLOW = 600  # snapshot / fork: copies the VM's memory and disk on a loaded TCG h
 BG = "sleep 7777"  # the background process every clone must still be running
 
 
+def _template_dirs(daemon, before: frozenset = frozenset()) -> set:
+    """Template directories in the daemon's data dir, less ``before`` (the shared daemon also
+    holds other tests' templates, e.g. Dockerfile builds)."""
+    root = daemon.data_dir / "templates"
+    return {p.name for p in root.iterdir()} - before if root.exists() else set()
+
+
 def _exec(api, sid: str, command: str) -> dict:
     r = api.post(f"/v1/sandboxes/{sid}/execute", json={"command": command, "timeout": 60})
     assert r.status_code == 200, r.text
@@ -119,6 +126,7 @@ print(df.describe().to_json())
 
 
 def test_snapshot_template_fork_and_delete(daemon, api, source):
+    others = frozenset(_template_dirs(daemon))
     r = api.post(f"/v1/sandboxes/{source}/snapshot", json={"template": "e2e-tpl"}, timeout=SLOW)
     assert r.status_code == 201, r.text
     assert r.json()["name"] == "e2e-tpl" and r.json()["owner"] == "tenant"
@@ -139,13 +147,13 @@ def test_snapshot_template_fork_and_delete(daemon, api, source):
         assert api.delete("/v1/templates/e2e-tpl").status_code == 204
         assert "e2e-tpl" not in {t["name"] for t in api.get("/v1/templates").json()["templates"]}
         assert api.post("/v1/sandboxes", json={"template": "e2e-tpl"}).status_code == 404
-        assert len(list((daemon.data_dir / "templates").iterdir())) == 1  # files kept
+        assert len(_template_dirs(daemon, others)) == 1  # files kept
         _has_all_three(api, clone)
         _exec(api, clone, "printf changed > /root/state.txt")
         assert _exec(api, clone, "cat /root/state.txt")["stdout"] == "changed"
     finally:
         api.delete(f"/v1/sandboxes/{clone}")
-    assert list((daemon.data_dir / "templates").iterdir()) == []  # the last dependent went
+    assert _template_dirs(daemon, others) == set()  # the last dependent went
 
     r = api.post(f"/v1/sandboxes/{source}/fork", json={"count": 2}, timeout=SLOW)
     assert r.status_code == 201, r.text
@@ -167,12 +175,13 @@ def test_snapshot_template_fork_and_delete(daemon, api, source):
         for fid in forks:
             api.delete(f"/v1/sandboxes/{fid}")
     deadline = time.monotonic() + 10
-    while list((daemon.data_dir / "templates").iterdir()) and time.monotonic() < deadline:
+    while _template_dirs(daemon, others) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert list((daemon.data_dir / "templates").iterdir()) == []  # the fork's snapshot went
+    assert _template_dirs(daemon, others) == set()  # the fork's snapshot went
 
 
 def test_a_sleeping_sandbox_is_woken_and_snapshotted(daemon, api, source):
+    others = frozenset(_template_dirs(daemon))
     assert api.post(f"/v1/sandboxes/{source}/suspend").json()["state"] == "suspended"
     r = api.post(f"/v1/sandboxes/{source}/snapshot", json={"template": "e2e-sleep"},
                  timeout=SLOW)
@@ -180,7 +189,7 @@ def test_a_sleeping_sandbox_is_woken_and_snapshotted(daemon, api, source):
     assert api.get(f"/v1/sandboxes/{source}").json()["state"] == "running"
     _has_all_three(api, source)
     assert api.delete("/v1/templates/e2e-sleep").status_code == 204
-    assert list((daemon.data_dir / "templates").iterdir()) == []  # nothing used it
+    assert _template_dirs(daemon, others) == set()  # nothing used it
 
 
 def test_bad_requests(api, source):
