@@ -38,6 +38,8 @@ max_sandboxes = {n + 50}
 compact_after = 0
 [network]
 pool = "169.254.192.0/19"
+[pool]
+size = 0
 [tenancy]
 max_sandboxes = 0
 max_awake = 0
@@ -115,8 +117,8 @@ def main() -> None:
                 assert out["stdout"].strip() == str(i), out
             report(f"wake of {args.awake} (execute through the API)", wakes)
             used = mem_before - mem_available_mib()
-            running = sum(1 for sb in ok(c.get("/v1/sandboxes"))["sandboxes"]
-                          if sb["state"] == "running")
+            running = len(ok(c.get("/v1/sandboxes", params={"state": "running,paused",
+                                                             "limit": 1000}))["sandboxes"])
             print(f"{running} awake: host memory in use +{used:.0f} MiB "
                   f"({used / max(running, 1):.0f} MiB each)")
             asleep = [i for i in sandboxes if i not in set(awake)]
