@@ -33,7 +33,6 @@ from gateway.errors import BadRequest, PayloadTooLarge, Unavailable
 from gateway.middleware import current_key
 from gateway.sandboxes import SandboxService
 from guest.protocol import validate_path
-from images.templates import ALIASES
 from vmctl.golden import Golden, ensure_golden
 
 log = logging.getLogger(__name__)
@@ -136,11 +135,7 @@ def resolve_base(service: SandboxService) -> Callable[[str, str], Golden]:
     """FROM: the golden a template name means for a tenant (a built-in, an alias of one, or
     one of the tenant's own templates)."""
     def resolve(tenant: str, name: str) -> Golden:
-        if name not in service.goldens and name in ALIASES:
-            name = ALIASES[name]
-        if name not in service.goldens and service.builtin_builds is not None:
-            service.builtin_builds.check(name)
-        return service.templates.resolve(tenant, name)
+        return service.resolve_template(tenant, name)[1]
     return resolve
 
 

@@ -95,12 +95,8 @@ class SandboxService:
                      lifetime: lifetimes.Lifetimes | None = None,
                      egress: dict[str, Any] | None = None,
                      shape_request: resources.ShapeRequest | None = None) -> SandboxRecord:
-        template = template or self.config.sandbox.default_template
-        if template not in self.goldens and template in ALIASES:
-            template = ALIASES[template]  # reserved: no tenant template has an alias's name
-        if template not in self.goldens and self.builtin_builds is not None:
-            self.builtin_builds.check(template)  # 503 while a built-in is still building
-        golden = self.templates.resolve(tenant, template)
+        template, golden = self.resolve_template(
+            tenant, template or self.config.sandbox.default_template)
         builtin = self.goldens.get(template) is golden
         shape = self.shape_for(tenant, template, shape_request or resources.ShapeRequest(),
                                golden)
@@ -133,6 +129,15 @@ class SandboxService:
         # The creation runs detached: a client that disconnects does not leave a half-made VM.
         await ctl.create()
         return ctl.rec
+
+    def resolve_template(self, tenant: str, name: str) -> tuple[str, Golden]:
+        """The template ``name`` means for ``tenant`` (an alias is its built-in's name; no
+        tenant template may take one) and its golden; 503 while a built-in still builds."""
+        if name not in self.goldens and name in ALIASES:
+            name = ALIASES[name]
+        if name not in self.goldens and self.builtin_builds is not None:
+            self.builtin_builds.check(name)
+        return name, self.templates.resolve(tenant, name)
 
     def shape_for(self, tenant: str, template: str, request: resources.ShapeRequest,
                   golden: Golden | None = None) -> resources.Shape:
