@@ -14,6 +14,18 @@ export const HOME = "/root";
 export const MARGIN = 90;
 export const DEFAULT_EXEC_TIMEOUT = 60;
 export const DEFAULT_RUN_TIMEOUT = 300;
+/** Seconds: a snapshot or fork copies the VM's memory and disk. */
+export const SNAPSHOT_TIMEOUT = 600;
+
+/** An egress policy to set: all closed, all open, or rules (docs/api.md, "Egress policy"). */
+export type Egress = "deny_all" | "allow_all" | {
+  /** What neither list names gets this (the server's default: "deny"). */
+  default?: "deny" | "allow" | undefined;
+  /** CIDRs or addresses (IPv4/IPv6) and domain names (`pypi.org`, `*.pypi.org`); at most 64. */
+  allow?: string[] | undefined;
+  /** As `allow`; deny wins over allow. */
+  deny?: string[] | undefined;
+};
 
 /** Our HTTP limit for a run the server limits to `timeout` seconds (a bad value: the server says so). */
 const limit = (timeout: unknown, fallback: number): number =>
@@ -52,10 +64,10 @@ function ports(value: unknown): number[] {
 export const createSandbox = (template: string | undefined, idleTimeout: number | undefined,
                               metadata: Record<string, unknown> | undefined, ttl?: number,
                               autoDeleteAfter?: number,
-                              shape: Record<string, number | undefined> = {}): Call =>
+                              shape: Record<string, number | undefined> = {}, egress?: Egress): Call =>
   ({ method: "POST", path: "/v1/sandboxes",
      json: defined({ template, idle_timeout: idleTimeout, metadata, ttl, auto_delete_after: autoDeleteAfter,
-                     ...shape }) });
+                     egress, ...shape }) });
 
 /** Filters of `GET /v1/sandboxes` (all must match). */
 export interface ListFilters {
@@ -97,17 +109,50 @@ export const templates = (): Call => ({ method: "GET", path: "/v1/templates" });
 export const serverInfo = (): Call => ({ method: "GET", path: "/v1/info" });
 
 export function updateSandbox(id: string, idleTimeout?: number, metadata?: Record<string, unknown>,
-                              publicPorts?: number[], ttl?: number, autoDeleteAfter?: number): Call {
+                              publicPorts?: number[], ttl?: number, autoDeleteAfter?: number,
+                              egress?: Egress): Call {
   const json = defined({
     idle_timeout: idleTimeout, metadata,
     public_ports: publicPorts === undefined ? undefined : ports(publicPorts),
-    ttl, auto_delete_after: autoDeleteAfter,
+    ttl, auto_delete_after: autoDeleteAfter, egress,
   });
   if (!Object.keys(json).length) {
-    throw new InvalidArgumentError("nothing to update: give idleTimeout, metadata, publicPorts, ttl and/or autoDeleteAfter");
+    throw new InvalidArgumentError(
+      "nothing to update: give idleTimeout, metadata, publicPorts, ttl, autoDeleteAfter and/or egress");
   }
   return { method: "PATCH", path: sb(id), json };
 }
+
+// -- templates, snapshots, forks and Dockerfile builds ----------------------------------------
+
+const tpl = (name: string): string => {
+  if (typeof name !== "string" || !name) {
+    throw new InvalidArgumentError("a template name is required", { code: "bad_template_name" });
+  }
+  return `/v1/templates/${encodeURIComponent(name)}`;
+};
+const build = (id: string, rest = ""): string => `/v1/templates/builds/${encodeURIComponent(id)}${rest}`;
+
+export const getTemplate = (name: string): Call => ({ method: "GET", path: tpl(name) });
+export const deleteTemplate = (name: string): Call => ({ method: "DELETE", path: tpl(name) });
+export const snapshotSandbox = (id: string, template: string): Call =>
+  ({ method: "POST", path: sb(id, "/snapshot"), json: { template }, timeout: SNAPSHOT_TIMEOUT });
+
+export function forkSandbox(id: string, count: number): Call {
+  if (!Number.isInteger(count) || count < 1) {
+    throw new InvalidArgumentError(`a fork makes 1 or more sandboxes, not ${String(count)}`);
+  }
+  return { method: "POST", path: sb(id, "/fork"), json: { count }, timeout: SNAPSHOT_TIMEOUT };
+}
+
+/** `contextTar`: the build context as a tar holding the Dockerfile at `dockerfile`. */
+export const startBuild = (name: string, dockerfile: string, contextTar: Uint8Array): Call => ({
+  method: "POST", path: "/v1/templates/builds", params: { name, dockerfile }, body: contextTar,
+  headers: { "Content-Type": "application/x-tar" },
+});
+export const getBuild = (id: string): Call => ({ method: "GET", path: build(id) });
+/** Followed until the build ends: no limit of ours on it. */
+export const buildLog = (id: string): Call => ({ method: "GET", path: build(id, "/log"), timeout: null });
 
 // -- preview access and sessions ------------------------------------------------------------
 

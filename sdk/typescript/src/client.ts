@@ -8,11 +8,12 @@
 import * as calls from "./calls.js";
 import { InvalidArgumentError, NotFoundError, SandboxNotFoundError } from "./errors.js";
 import {
-  parseSandbox, parseSandboxPage, parseServerInfo, parseTemplate, parseUsage, type SandboxInfo, type SandboxPage,
-  type ServerInfo, type Template, type Usage,
+  parseSandbox, parseSandboxPage, parseServerInfo, parseUsage, type SandboxInfo, type SandboxPage,
+  type ServerInfo, type Usage,
 } from "./models.js";
 import { Sandbox } from "./sandbox.js";
 import { Sessions } from "./sessions.js";
+import { Builds, templatesOf, type Templates } from "./templates.js";
 import { Transport, resolveConfig, type ClientConfig, type ClientOptions } from "./transport.js";
 
 export const DEFAULT_TEMPLATE = "python";
@@ -35,6 +36,8 @@ export interface CreateOptions {
   vcpus?: number | undefined;
   memoryMib?: number | undefined;
   diskMib?: number | undefined;
+  /** Its egress policy: "deny_all", "allow_all" or `{ default, allow, deny }` (default: the host's). */
+  egress?: calls.Egress | undefined;
 }
 
 export interface ListOptions extends calls.ListFilters {
@@ -54,6 +57,10 @@ export class AgentBox {
   readonly config: ClientConfig;
   /** Named long-lived sandboxes. */
   readonly sessions: Sessions;
+  /** Templates: `await box.templates()` lists them; `.get(name)`, `.delete(name)`, `.build(...)`. */
+  readonly templates: Templates;
+  /** Templates built from a Dockerfile: `build`, `start`, `get`, `logs`, `wait`. */
+  readonly builds: Builds;
   /** @internal */
   readonly _transport: Transport;
   private info: Promise<ServerInfo> | undefined;
@@ -62,6 +69,8 @@ export class AgentBox {
     this.config = resolveConfig(options);
     this._transport = new Transport(this.config, options.fetch);
     this.sessions = new Sessions(this);
+    this.builds = new Builds(this._transport);
+    this.templates = templatesOf(this._transport, this.builds);
   }
 
   toString(): string {
@@ -72,7 +81,8 @@ export class AgentBox {
   async create(options: CreateOptions = {}): Promise<Sandbox> {
     const call = calls.createSandbox(pickTemplate(options), options.idleTimeout, options.metadata, options.ttl,
                                      options.autoDeleteAfter,
-                                     { vcpus: options.vcpus, memory_mib: options.memoryMib, disk_mib: options.diskMib });
+                                     { vcpus: options.vcpus, memory_mib: options.memoryMib, disk_mib: options.diskMib },
+                                     options.egress);
     return new Sandbox(this, parseSandbox(await this._transport.json(call)), { keep: options.keep });
   }
 
@@ -126,11 +136,6 @@ export class AgentBox {
       if (exc instanceof SandboxNotFoundError) return false;
       throw exc;
     }
-  }
-
-  async templates(): Promise<Template[]> {
-    const data = await this._transport.json<{ templates?: unknown[] }>(calls.templates());
-    return (data?.templates ?? []).map(parseTemplate);
   }
 
   /** `GET /v1/info` (fetched once; empty if the server does not have it). */

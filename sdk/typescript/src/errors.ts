@@ -63,6 +63,17 @@ export class ProtocolError extends AgentBoxError {
   static override defaultCode = "protocol_error";
 }
 
+/**
+ * A template build from a Dockerfile ended `failed` (the server answered fine: the build
+ * did not). `build` is the {@link TemplateBuild}; its `error` names the step and exit code.
+ */
+export class TemplateBuildError extends AgentBoxError {
+  static override defaultCode = "build_failed";
+  constructor(readonly build: { id: string; name: string; error: string | null }, options: ErrorOptions = {}) {
+    super(`template build ${build.id} (${build.name}) failed: ${build.error ?? "no reason given"}`, options);
+  }
+}
+
 // -- answered by the server ----------------------------------------------------------------
 
 /** 400: the request was malformed or a value was out of range. */

@@ -19,17 +19,22 @@ export {
 export { Files, type Progress, type TransferOptions, type WriteData } from "./files.js";
 export { Session, Sessions } from "./sessions.js";
 export { Terminal, type TerminalOptions } from "./terminal.js";
-export type { ListFilters, SessionSpec } from "./calls.js";
+export type { Egress, ListFilters, SessionSpec } from "./calls.js";
+export { Builds, type BuildContext, type BuildOptions, type Templates } from "./templates.js";
+export {
+  ALWAYS_SKIPPED, MAX_CONTEXT_BYTES, packContext, packFiles, tarArchive, type TarEntry,
+} from "./context.js";
 export {
   CommandResult, ExecResult, Execution, ExecutionError, Result, type OutputFile,
   type CodeContext, type FileInfo, type OutputChunk, type PreviewAccess, type ProcessInfo,
   type SandboxInfo, type SandboxState, type ServerInfo, type SessionView, type StartState,
   type Template, type SandboxPage, type Usage, type KeyUsage, type SandboxUsage, type UsageFigures,
-  type SandboxMetrics, type SandboxLogs, type SandboxEvent,
+  type SandboxMetrics, type SandboxLogs, type SandboxEvent, type EgressPolicy, type TemplateBuild,
+  type BuildEvent,
 } from "./models.js";
 /** The API's JSON answers parsed into the models above (what the client does with them). */
 export {
-  parseContext, parseFileInfo, parseLogs, parseMetrics, parsePreview, parseProcess, parseSandbox,
+  parseBuild, parseContext, parseEgress, parseFileInfo, parseLogs, parseMetrics, parsePreview, parseProcess, parseSandbox,
   parseSandboxPage, parseServerInfo, parseSessionView, parseTemplate, parseUsage,
 } from "./models.js";
 export { ExecutionBuilder, CommandOutput, type RunNotice } from "./streams.js";

@@ -61,8 +61,27 @@ export interface SandboxInfo {
   vcpus: number | null;
   memoryMib: number | null;
   diskMib: number | null;
-  /** Its egress policy: `{default, allow, deny, source}` (docs/api.md). */
-  egress: Record<string, unknown> | null;
+  /** Its egress policy (null: a server without policies). */
+  egress: EgressPolicy | null;
+}
+
+/** A sandbox's egress policy as the server applies it (docs/api.md, "Egress policy"). */
+export interface EgressPolicy {
+  /** What neither list names gets. */
+  default: "deny" | "allow" | (string & {});
+  allow: string[];
+  deny: string[];
+  /** "sandbox": its own policy; "host": it follows the host's default. */
+  source: "sandbox" | "host" | (string & {});
+}
+
+const strings = (v: unknown): string[] => (Array.isArray(v) ? v.map((x) => str(x)) : []);
+
+export function parseEgress(data: unknown): EgressPolicy | null {
+  if (data === undefined || data === null) return null;
+  const d = obj(data, "egress");
+  return { default: str(d.default, "deny"), allow: strings(d.allow), deny: strings(d.deny),
+           source: str(need(d, "source", "egress")) };
 }
 
 export function parseSandbox(data: unknown): SandboxInfo {
@@ -82,7 +101,7 @@ export function parseSandbox(data: unknown): SandboxInfo {
     expiresAt: numOrNull(d.expires_at), autoDeleteAfter: num(d.auto_delete_after) ?? 0,
     deleteAt: numOrNull(d.delete_at),
     vcpus: numOrNull(d.vcpus), memoryMib: numOrNull(d.memory_mib), diskMib: numOrNull(d.disk_mib),
-    egress: (d.egress as Record<string, unknown> | null | undefined) ?? null,
+    egress: parseEgress(d.egress),
   };
 }
 
@@ -229,6 +248,40 @@ export function parseTemplate(data: unknown): Template {
     maxMemoryMib: num(d.max_memory_mib), maxDiskMib: num(d.max_disk_mib),
   };
 }
+
+/** A build of a template from a Dockerfile: `state` queued, running, ready or failed; `step` of
+ * `steps` (`cachedSteps` of them from the cache); `template` (the Template's JSON) once ready,
+ * `error` (the step and its exit code) once failed. */
+export interface TemplateBuild {
+  id: string;
+  name: string;
+  state: "queued" | "running" | "ready" | "failed" | (string & {});
+  steps: number;
+  step: number;
+  cachedSteps: number;
+  error: string | null;
+  createdAt: number | undefined;
+  finishedAt: number | null;
+  template: Template | null;
+}
+
+export function parseBuild(data: unknown): TemplateBuild {
+  const d = obj(data, "build");
+  return {
+    id: str(need(d, "id", "build")), name: str(need(d, "name", "build")),
+    state: str(need(d, "state", "build")), steps: num(d.steps) ?? 0, step: num(d.step) ?? 0,
+    cachedSteps: num(d.cached_steps) ?? 0, error: strOrNull(d.error), createdAt: num(d.created_at),
+    finishedAt: numOrNull(d.finished_at),
+    // The spec says only "an object": a Template once ready (parsed when it names one).
+    template: typeof d.template === "object" && d.template !== null && "name" in d.template
+      ? parseTemplate(d.template) : null,
+  };
+}
+
+/** One line of a build's log: `step` (n, of, text, cached), `output` (n, stream, text),
+ * `step_done` (n, seconds), `error` (message, exit_code), `done` (state, template or error). */
+export type BuildEvent = { type: "queued" | "step" | "output" | "step_done" | "error" | "done" | (string & {});
+                           t?: number } & Record<string, unknown>;
 
 /** A file a run created or changed under `/output/` (download it with `files.read`). */
 export interface OutputFile { path: string; size: number }

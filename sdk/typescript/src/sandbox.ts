@@ -13,9 +13,9 @@ import { Commands } from "./commands.js";
 import { SandboxNotFoundError } from "./errors.js";
 import { Files, type TransferOptions, type WriteData } from "./files.js";
 import {
-  Execution, ExecResult, parseContext, parseLogs, parseMetrics, parsePreview, parseSandbox,
+  Execution, ExecResult, parseContext, parseLogs, parseMetrics, parsePreview, parseSandbox, parseTemplate,
   type CodeContext, type ExecutionError, type FileInfo, type PreviewAccess, type Result,
-  type SandboxInfo, type SandboxLogs, type SandboxMetrics,
+  type SandboxInfo, type SandboxLogs, type SandboxMetrics, type Template,
 } from "./models.js";
 import { ExecutionBuilder, type RunNotice } from "./streams.js";
 import type { Call, ClientOptions, Event, Transport } from "./transport.js";
@@ -266,13 +266,45 @@ export class Sandbox {
     return this.update({ idleTimeout: seconds });
   }
 
-  /** `ttl` counts from now (extend it; 0 = no deadline). */
+  /** `ttl` counts from now (extend it; 0 = no deadline); `egress` applies at once, also to a
+   * running guest. */
   async update(fields: { idleTimeout?: number; metadata?: Record<string, unknown>; publicPorts?: number[];
-                         ttl?: number; autoDeleteAfter?: number }): Promise<SandboxInfo> {
+                         ttl?: number; autoDeleteAfter?: number; egress?: calls.Egress }): Promise<SandboxInfo> {
     const call = calls.updateSandbox(this.id, fields.idleTimeout, fields.metadata, fields.publicPorts, fields.ttl,
-                                     fields.autoDeleteAfter);
+                                     fields.autoDeleteAfter, fields.egress);
     this.info = parseSandbox(await this._t.json(call));
     return this.info;
+  }
+
+  /** Replace the egress policy ("deny_all", "allow_all" or `{ default, allow, deny }`); it
+   * applies at once, to the running guest too (connections already open stay). */
+  setEgress(egress: calls.Egress): Promise<SandboxInfo> {
+    return this.update({ egress });
+  }
+
+  /** Destroy it `seconds` from now (0 = never). */
+  setTtl(seconds: number): Promise<SandboxInfo> {
+    return this.update({ ttl: seconds });
+  }
+
+  // -- snapshots and forks ------------------------------------------------------------------
+
+  /**
+   * Save this sandbox (memory, running processes, files) as the key's template `template`;
+   * `box.create({ template })` then starts sandboxes in that state. It keeps running (paused
+   * only while it is copied: the Template's `pausedMs`).
+   */
+  async snapshot(template: string): Promise<Template> {
+    return parseTemplate(await this._t.json(calls.snapshotSandbox(this.id, template)));
+  }
+
+  /**
+   * `n` (1-8) new sandboxes in this one's current state (files, processes, interpreter
+   * variables); each then goes its own way. `keep`: as for `create` (`await using`).
+   */
+  async fork(n = 1, options: { keep?: boolean } = {}): Promise<Sandbox[]> {
+    const data = await this._t.json<{ sandboxes?: unknown[] }>(calls.forkSandbox(this.id, n));
+    return (data?.sandboxes ?? []).map((s) => new Sandbox(this.client, parseSandbox(s), { keep: options.keep }));
   }
 
   /** CPU seconds and memory of its VM and its disk use, read on the host (never wakes it). */
