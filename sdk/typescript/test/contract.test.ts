@@ -10,7 +10,7 @@ import assert from "node:assert/strict";
 import { before, describe, test } from "node:test";
 
 import {
-  ExecResult, Execution, parseContext, parseFileInfo, parseLogs, parseMetrics, parsePreview, parseProcess,
+  ERROR_CODES, ExecResult, Execution, parseBuild, parseContext, parseFileInfo, parseLogs, parseMetrics, parsePreview, parseProcess,
   parseSandbox, parseSandboxPage, parseServerInfo, parseSessionView, parseTemplate, parseUsage,
 } from "@agentbox/sdk";
 
@@ -26,6 +26,7 @@ const PARSERS: Record<string, (data: unknown) => unknown> = {
   FileInfo: parseFileInfo, ProcessInfo: parseProcess, ContextInfo: parseContext,
   Session: parseSessionView, ExecResult: (d) => ExecResult.parse(d), Execution: (d) => Execution.parse(d),
   SandboxList: parseSandboxPage, Usage: parseUsage, SandboxMetrics: parseMetrics, SandboxLogs: parseLogs,
+  Build: parseBuild,
 };
 
 /** A value of the schema's type (objects: every property filled in). */
@@ -55,6 +56,13 @@ describe("models against the live OpenAPI document", { skip }, () => {
     const resp = await fetch(`${URL_}/v1/openapi.json`, { headers: { Authorization: `Bearer ${KEY}` } });
     assert.equal(resp.status, 200);
     schemas = ((await resp.json()) as { components: { schemas: Record<string, Schema> } }).components.schemas;
+  });
+
+  test("ERROR_CODES maps exactly the codes of the spec's ErrorCode (the server's registry)", () => {
+    const spec = new Set((schemas.ErrorCode?.enum ?? []) as string[]);
+    assert.ok(spec.size >= 50, `the spec lists only ${spec.size} error codes`);
+    assert.deepEqual([...spec].filter((c) => !ERROR_CODES.has(c)), [], "codes the SDK does not map");
+    assert.deepEqual([...ERROR_CODES.keys()].filter((c) => !spec.has(c)), [], "codes the server does not have");
   });
 
   for (const [name, parse] of Object.entries(PARSERS)) {
