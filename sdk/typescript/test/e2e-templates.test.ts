@@ -68,6 +68,8 @@ describe("templates, builds and controls against a live daemon", { skip }, () =>
     assert.ok(extended.expiresAt! >= before_ + 1790 && extended.expiresAt! <= Date.now() / 1000 + 1810,
       `expiresAt ${extended.expiresAt}`);
 
+    const marker = `console-marker-${suffix}`;
+    await a.execute({ command: `echo ${marker} > /dev/console` });
     const metrics = await a.metrics();
     assert.equal(metrics.sandboxId, a.id);
     assert.equal(metrics.state, "running");
@@ -75,7 +77,8 @@ describe("templates, builds and controls against a live daemon", { skip }, () =>
     assert.ok(metrics.diskBytes > 0 && (metrics.memoryBytes ?? metrics.rssBytes ?? 0) > 0);
     const logs = await a.logs(50);
     assert.equal(logs.sandboxId, a.id);
-    assert.ok(logs.console.length > 0 && logs.console.length <= 50, `${logs.console.length} console lines`);
+    assert.ok(logs.console.some((l) => l.includes(marker)), JSON.stringify(logs.console.slice(-5)));
+    assert.ok(logs.console.length <= 50, `${logs.console.length} console lines`);
     assert.ok(logs.events.some((e) => e.to === "running"), JSON.stringify(logs.events));
   });
 
