@@ -10,6 +10,10 @@ import type { Body, Call } from "./transport.js";
 
 /** Relative sandbox paths are taken from here (the guest's $HOME and exec cwd). */
 export const HOME = "/root";
+/** `sandbox.upload` takes relative paths from here, `sandbox.download` from `OUTPUT_DIR` (where
+ * `result.files` are); the file API (`sandbox.files`) from `HOME`. */
+export const INPUT_DIR = "/input";
+export const OUTPUT_DIR = "/output";
 /** Seconds added to a server-side limit for the HTTP exchange itself. */
 export const MARGIN = 90;
 export const DEFAULT_EXEC_TIMEOUT = 60;
@@ -37,6 +41,14 @@ export function sandboxPath(path: string): string {
     throw new InvalidArgumentError("a sandbox path is required", { code: "invalid_path" });
   }
   return path.startsWith("/") ? path : posix.join(HOME, path);
+}
+
+/** `path` if absolute, else `directory/path` (sandbox.upload / download). */
+export function under(directory: string, path: string): string {
+  if (typeof path !== "string" || !path) {
+    throw new InvalidArgumentError("a sandbox path is required", { code: "invalid_path" });
+  }
+  return path.startsWith("/") ? path : posix.join(directory, path);
 }
 
 /** A guest path as a URL path (each segment percent-encoded, slashes kept). */

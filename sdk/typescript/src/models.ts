@@ -286,7 +286,7 @@ export type BuildEvent = { type: "queued" | "step" | "output" | "step_done" | "e
 /** A file a run created or changed under `/output/` (download it with `files.read`). */
 export interface OutputFile { path: string; size: number }
 
-function parseOutputFiles(items: unknown): OutputFile[] {
+export function parseOutputFiles(items: unknown): OutputFile[] {
   return (Array.isArray(items) ? items : []).map((f) => {
     const d = obj(f, "output file");
     return { path: str(need(d, "path", "output file")), size: Number(need(d, "size", "output file")) };

@@ -175,16 +175,23 @@ export class Sandbox {
 
   // -- files --------------------------------------------------------------------------------
 
-  /** Write `data` to `path` in the sandbox (same as `files.write`). */
+  /**
+   * Write `data` to `path` in the sandbox (as `files.write`). A relative `path` lands under
+   * `/input/`: `upload("data.csv", b)` is read as `/input/data.csv`.
+   */
   upload(path: string, data: WriteData, options: TransferOptions = {}): Promise<FileInfo> {
-    return this.files.write(path, data, options);
+    return this.files.write(calls.under(calls.INPUT_DIR, path), data, options);
   }
 
-  /** The file's bytes; or, with `dest`, stream it into that local file and return its path. */
+  /**
+   * The file's bytes; or, with `dest`, stream it into that local file and return its path. A
+   * relative `path` is read from `/output/` (as `result.files` name them, absolute, either works).
+   */
   download(path: string): Promise<Uint8Array>;
   download(path: string, dest: string, options?: TransferOptions): Promise<string>;
   download(path: string, dest?: string, options: TransferOptions = {}): Promise<Uint8Array | string> {
-    return dest === undefined ? this.files.read(path, { format: "bytes" }) : this.files.download(path, dest, options);
+    const from = calls.under(calls.OUTPUT_DIR, path);
+    return dest === undefined ? this.files.read(from, { format: "bytes" }) : this.files.download(from, dest, options);
   }
 
   // -- preview access -----------------------------------------------------------------------

@@ -7,7 +7,9 @@
  */
 
 import { ProtocolError, StreamInterruptedError } from "./errors.js";
-import { CommandResult, Execution, ExecutionError, Result, type OutputChunk } from "./models.js";
+import {
+  CommandResult, Execution, ExecutionError, Result, parseOutputFiles, type OutputChunk,
+} from "./models.js";
 import type { Event } from "./transport.js";
 
 export type RunNotice =
@@ -54,7 +56,7 @@ export class ExecutionBuilder {
     const count = typeof this.end.execution_count === "number" ? this.end.execution_count : undefined;
     const ms = typeof this.end.duration_ms === "number" ? this.end.duration_ms : undefined;
     return new Execution(this.out.join(""), this.err.join(""), this.results, this.error, count, ms,
-      Boolean(this.end.truncated));
+      Boolean(this.end.truncated), parseOutputFiles(this.end.files));
   }
 }
 

@@ -68,6 +68,13 @@ describe("templates, builds and controls against a live daemon", { skip }, () =>
     assert.ok(extended.expiresAt! >= before_ + 1790 && extended.expiresAt! <= Date.now() / 1000 + 1810,
       `expiresAt ${extended.expiresAt}`);
 
+    await a.upload("in.txt", "input data");
+    const streamed = await a.runCode(
+      "import pathlib; pathlib.Path('/output/out.txt').write_text(pathlib.Path('/input/in.txt').read_text().upper())",
+      { stream: true });
+    assert.deepEqual(streamed.files, [{ path: "/output/out.txt", size: 10 }]);
+    assert.equal(new TextDecoder().decode(await a.download("out.txt")), "INPUT DATA");
+
     const marker = `console-marker-${suffix}`;
     await a.execute({ command: `echo ${marker} > /dev/console` });
     const metrics = await a.metrics();

@@ -73,6 +73,25 @@ describe("egress and lifetimes", () => {
   });
 });
 
+describe("/input and /output", () => {
+  test("upload's relative paths land in /input, download's come from /output; a streamed run has its files", async () => {
+    fake.route("POST /v1/sandboxes/sb1/files", (req, res) => json(res, 201, {
+      path: req.query.get("path"), name: "d", type: "file", size: req.body.length, mode: 420, mtime: 1 }));
+    fake.route("GET /v1/sandboxes/sb1/files/output/plot.png", (_req, res) => {
+      res.writeHead(200, { "Content-Type": "application/octet-stream" });
+      res.end("png");
+    });
+    assert.equal((await sandbox.upload("data.csv", "a,b")).path, "/input/data.csv");
+    assert.equal((await sandbox.upload("/tmp/x", "x")).path, "/tmp/x");
+    assert.equal(new TextDecoder().decode(await sandbox.download("plot.png")), "png");
+    assert.equal(new TextDecoder().decode(await sandbox.download("/output/plot.png")), "png");
+    fake.route("POST /v1/sandboxes/sb1/run_code", (_req, res) => ndjson(res, [
+      { type: "stdout", data: "a" }, { type: "end", files: [{ path: "/output/plot.png", size: 3 }] }]));
+    const ex = await sandbox.runCode("x", { stream: true });
+    assert.deepEqual(ex.files, [{ path: "/output/plot.png", size: 3 }]);
+  });
+});
+
 describe("templates, snapshots and forks", () => {
   test("templates() lists; get, delete (false when gone; a built-in is a conflict)", async () => {
     fake.route("GET /v1/templates", (_req, res) => json(res, 200, { templates: [{ name: "python", default: true }, TEMPLATE] }));
