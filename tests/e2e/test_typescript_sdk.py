@@ -65,9 +65,10 @@ def test_typescript_sdk_suite(built, daemon):
     env = {**os.environ, "AGENTBOX_URL": daemon.url, "AGENTBOX_API_KEY": daemon.admin_key}
     tests = sorted(str(p.relative_to(built)) for p in (built / "test-dist").glob("*.test.js"))
     assert tests, "no compiled tests in sdk/typescript/test-dist"
-    proc = _run(["node", "--test", "--test-reporter=tap", *tests], env, timeout=540)
+    # A Dockerfile build (e2e-templates.test.ts) boots a builder VM: a minute here, more when busy.
+    proc = _run(["node", "--test", "--test-reporter=tap", *tests], env, timeout=900)
     summary = _summary(proc.stdout)
     assert proc.returncode == 0, f"node --test exited {proc.returncode}: {summary}"
     assert summary.get("fail") == 0 and summary.get("cancelled") == 0, summary
-    assert summary.get("pass", 0) >= 30, f"too few tests ran: {summary}"
+    assert summary.get("pass", 0) >= 60, f"too few tests ran: {summary}"
     assert "# SKIP" not in proc.stdout, "a TypeScript suite skipped itself"
