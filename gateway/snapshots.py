@@ -73,9 +73,13 @@ async def _create_forks(svc: SandboxService, tenant: str, source: SandboxRecord,
                         count: int) -> list[SandboxRecord]:
     recs: list[SandboxRecord] = []
     try:
+        # A fork is a copy of the sandbox: its egress policy (a fork must not reach what
+        # its source may not) and its lifetimes (the same deadline) come along.
+        inherited = {"egress": source.egress, "expires_at": source.expires_at,
+                     "auto_delete_after": source.auto_delete_after}
         for _ in range(count):  # synchronous: slots and quota are taken one by one
             recs.append(svc._reserve(tenant, source.template, golden, dict(source.metadata),
-                                     source.idle_timeout))
+                                     source.idle_timeout, extra=inherited))
         ctls = [svc.controller(r) for r in recs]
         results = await asyncio.gather(*(c.create() for c in ctls), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]

@@ -275,6 +275,25 @@ def test_ipv6_rules_are_kept_and_ipv6_stays_denied(egress_api, sid):
     assert got[ALLOWED_IP] == "reached:internet", got
 
 
+def test_a_fork_keeps_its_sources_policy_and_deadline(egress_api, sid):
+    patch(egress_api, sid, {"allow": [OTHER_IP]})
+    r = egress_api.patch(f"/v1/sandboxes/{sid}", json={"ttl": 3600})
+    assert r.status_code == 200, r.text
+    deadline = r.json()["expires_at"]
+    r = egress_api.post(f"/v1/sandboxes/{sid}/fork", json={"count": 1}, timeout=600)
+    assert r.status_code == 201, r.text
+    [fork] = r.json()["sandboxes"]
+    try:
+        assert fork["egress"]["allow"] == [f"{OTHER_IP}/32"], fork
+        assert fork["expires_at"] == deadline, fork
+        got = guest_probe(egress_api, fork["id"], [OTHER_IP, ALLOWED_IP])
+        assert got[OTHER_IP] == "reached:internet", got
+        assert got[ALLOWED_IP].startswith("blocked:"), got  # the host default would allow it
+    finally:
+        egress_api.delete(f"/v1/sandboxes/{fork['id']}")
+        egress_api.patch(f"/v1/sandboxes/{sid}", json={"ttl": 0})
+
+
 def test_the_policy_survives_a_suspend_and_wake(egress_api, sid):
     patch(egress_api, sid, {"allow": [OTHER_IP]})
     r = egress_api.post(f"/v1/sandboxes/{sid}/suspend")
