@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway import lifetimes, listing
+from gateway import lifetimes, listing, wire
 from gateway import resources
 from gateway.errors import BadRequest, Forbidden, NotFound, PayloadTooLarge
 from gateway.egress_api import egress_view, parse_egress
@@ -27,7 +27,8 @@ routes = web.RouteTableDef()
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+    """``data``: a ``gateway.wire`` type (or a protocol dataclass, or plain JSON data)."""
+    return web.Response(body=wire.dumps(data), status=status, content_type="application/json")
 
 
 async def read_json(request: web.Request) -> Any:
@@ -40,24 +41,31 @@ async def read_json(request: web.Request) -> Any:
         raise BadRequest(f"malformed JSON: {exc}", code="bad_json") from exc
 
 
-def sandbox_view(rec: SandboxRecord) -> dict[str, Any]:
-    return {
-        "id": rec.id, "state": rec.state.value, "template": rec.template,
-        "metadata": rec.metadata, "idle_timeout": rec.idle_timeout,
-        "created_at": rec.created_at, "updated_at": rec.updated_at,
-        "last_activity": rec.last_activity, "suspend_count": rec.suspend_count,
-        "restore_count": rec.restore_count, "last_suspend_ms": rec.last_suspend_ms,
-        "last_restore_ms": rec.last_restore_ms, "failure": rec.failure,
-        "egress": egress_view(rec.egress),
-        "vcpus": rec.vcpus or None, "memory_mib": rec.memory_mib or None,
-        "disk_mib": rec.disk_mib or None,
-    } | lifetimes.view(rec)
+def sandbox_view(rec: SandboxRecord) -> wire.Sandbox:
+    return wire.Sandbox(
+        id=rec.id, state=rec.state, template=rec.template,
+        metadata=rec.metadata, idle_timeout=rec.idle_timeout,
+        created_at=rec.created_at, updated_at=rec.updated_at,
+        last_activity=rec.last_activity, suspend_count=rec.suspend_count,
+        restore_count=rec.restore_count, last_suspend_ms=rec.last_suspend_ms,
+        last_restore_ms=rec.last_restore_ms, failure=rec.failure,
+        egress=egress_view(rec.egress),
+        vcpus=rec.vcpus or None, memory_mib=rec.memory_mib or None,
+        disk_mib=rec.disk_mib or None, **lifetimes.view(rec))
 
 
-def _with_egress(request: web.Request, rec: SandboxRecord) -> dict[str, Any]:
+def _with_egress(request: web.Request, rec: SandboxRecord) -> wire.Sandbox:
     """``sandbox_view`` with the host default spelled out when the sandbox follows it."""
-    return sandbox_view(rec) | {
-        "egress": egress_view(rec.egress, _service(request).backend.config.network)}
+    return dataclasses.replace(sandbox_view(rec), egress=egress_view(
+        rec.egress, _service(request).backend.config.network))
+
+
+def owner_view(request: web.Request, rec: SandboxRecord) -> wire.Sandbox:
+    """What the sandbox's owner sees (get, update): its preview access too."""
+    preview = preview_view(request, rec.id)
+    return dataclasses.replace(_with_egress(request, rec), preview_token=preview.preview_token,
+                               public_ports=preview.public_ports,
+                               preview_url_template=preview.preview_url_template)
 
 
 def _service(request: web.Request) -> SandboxService:
@@ -79,9 +87,10 @@ def _tenant(request: web.Request) -> str:
 @routes.get("/healthz")
 async def healthz(request: web.Request) -> web.Response:
     svc = _service(request)
-    return json_response({"status": "ok", "vmm": svc.backend.driver_name,
-                          "accel": svc.backend.accel.value, "accel_reason": svc.backend.reason,
-                          "templates": sorted(svc.goldens)})
+    return json_response(wire.Health(status="ok", vmm=svc.backend.driver_name,
+                                     accel=svc.backend.accel.value,
+                                     accel_reason=svc.backend.reason,
+                                     templates=sorted(svc.goldens)))
 
 
 # /v1/templates and /snapshot, /fork: gateway/api_templates.py
@@ -103,13 +112,14 @@ async def create_sandbox(request: web.Request) -> web.Response:
 async def list_sandboxes(request: web.Request) -> web.Response:
     query = listing.parse_query(request.query)
     page, cursor = listing.select(_service(request).list(_tenant(request)), query)
-    return json_response({"sandboxes": [sandbox_view(r) for r in page], "next_cursor": cursor})
+    return json_response(wire.SandboxList(sandboxes=[sandbox_view(r) for r in page],
+                                          next_cursor=cursor))
 
 
 @routes.get("/v1/sandboxes/{id}")
 async def get_sandbox(request: web.Request) -> web.Response:
     rec = _service(request).get(_tenant(request), request.match_info["id"])
-    return json_response(_with_egress(request, rec) | preview_view(request, rec.id))
+    return json_response(owner_view(request, rec))
 
 
 @routes.delete("/v1/sandboxes/{id}")
@@ -132,7 +142,7 @@ async def update_sandbox(request: web.Request) -> web.Response:
         rec = await svc.set_egress(current_key(request).id, rec.id, egress)
     if ports is not None:
         request.config_dict[ACCESS_KEY].set_public_ports(rec.id, ports)
-    return json_response(_with_egress(request, rec) | preview_view(request, rec.id))
+    return json_response(owner_view(request, rec))
 
 
 @routes.post("/v1/sandboxes/{id}/suspend")

@@ -12,7 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import quotas
+from gateway import quotas, wire
 from gateway.api import json_response, read_json
 from gateway.errors import BadRequest, Forbidden, NotFound
 from gateway.middleware import REGISTRY_KEY, current_key
@@ -26,11 +26,11 @@ MAX_NAME = 200
 routes = web.RouteTableDef()
 
 
-def key_view(key: ApiKey, tenancy: quotas.TenancyConfig) -> dict[str, Any]:
+def key_view(key: ApiKey, tenancy: quotas.TenancyConfig) -> wire.Key:
     limits = tenancy.limits_for(key.admin, key.limits)
-    return {"id": key.id, "name": key.name, "admin": key.admin, "created_at": key.created_at,
-            "revoked": key.revoked, "limits": limits.as_dict(),
-            "overrides": key.limits}
+    return wire.Key(id=key.id, name=key.name, admin=key.admin, created_at=key.created_at,
+                    revoked=key.revoked, limits=wire.KeyLimits(**limits.as_dict()),
+                    overrides=wire.KeyLimits(**key.limits))
 
 
 def _require_admin(request: web.Request) -> None:
@@ -60,7 +60,8 @@ async def create_key(request: web.Request) -> web.Response:
     _require_admin(request)
     name, admin, limits = validate_new_key(await read_json(request))
     key, secret = request.app[REGISTRY_KEY].create_key(name, admin=admin, limits=limits)
-    return json_response(key_view(key, _defaults(request)) | {"key": secret}, status=201)
+    view = key_view(key, _defaults(request))
+    return json_response(wire.CreatedKey(**vars(view), key=secret), status=201)
 
 
 @routes.get("/v1/keys")
@@ -68,7 +69,7 @@ async def list_keys(request: web.Request) -> web.Response:
     _require_admin(request)
     revoked = request.query.get("revoked", "0") == "1"
     keys = request.app[REGISTRY_KEY].list_keys(include_revoked=revoked)
-    return json_response({"keys": [key_view(k, _defaults(request)) for k in keys]})
+    return json_response(wire.KeyList(keys=[key_view(k, _defaults(request)) for k in keys]))
 
 
 @routes.patch("/v1/keys/{key_id}")

@@ -104,7 +104,8 @@ class ResourcesConfig:
 
 
 def template_view(golden: Any, limits: ResourceLimits) -> dict[str, Any]:
-    """``GET /v1/templates``: a template's default shape and its per-sandbox limits."""
+    """``GET /v1/templates``: a template's default shape and its per-sandbox limits (fields
+    of ``gateway.wire.Template``)."""
     return {"vcpus": golden.vcpus, "disk_mib": golden.disk_mib,
             "max_vcpus": limits.max_vcpus, "max_memory_mib": limits.max_memory_mib,
             "max_disk_mib": limits.max_disk_mib}

@@ -34,6 +34,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway import wire
 from gateway.api import json_response, read_json
 from gateway.errors import BadRequest, Conflict, NotFound, SandboxNotFound
 from gateway.lifecycle import State
@@ -221,20 +222,21 @@ def _sessions(request: web.Request) -> SessionService:
     return request.config_dict[SESSIONS_KEY]
 
 
-def session_view(request: web.Request, session: Session) -> dict[str, Any]:
+def session_view(request: web.Request, session: Session) -> wire.Session:
     from gateway.info import SERVER_KEY, url_templates
 
     state = _sessions(request).sandbox_state(session)
     template = url_templates(request.config_dict[SERVER_KEY])[1]
     token = (request.config_dict[ACCESS_KEY].get(session.sandbox_id).token
              if session.sandbox_id else None)
-    return {"name": session.name, "sandbox_id": session.sandbox_id,
-            "state": state.value if state else "creating", "port": session.port,
-            "start": session.start, "start_state": session.start_state,
-            "start_pid": session.start_pid, "start_error": session.start_error,
-            "metadata": session.metadata, "created_at": session.created_at,
-            "url": template.replace("{name}", session.name),
-            "proxy_path": f"/v1/sessions/{session.name}/proxy/", "preview_token": token}
+    return wire.Session(
+        name=session.name, sandbox_id=session.sandbox_id,
+        state=state.value if state else "creating", port=session.port,
+        start=session.start, start_state=session.start_state,  # type: ignore[arg-type]
+        start_pid=session.start_pid, start_error=session.start_error,
+        metadata=session.metadata, created_at=session.created_at,
+        url=template.replace("{name}", session.name),
+        proxy_path=f"/v1/sessions/{session.name}/proxy/", preview_token=token)
 
 
 @routes.put("/v1/sessions/{name}")
@@ -248,7 +250,7 @@ async def put_session(request: web.Request) -> web.Response:
 @routes.get("/v1/sessions")
 async def list_sessions(request: web.Request) -> web.Response:
     found = _sessions(request).list(current_key(request).id)
-    return json_response({"sessions": [session_view(request, s) for s in found]})
+    return json_response(wire.SessionList(sessions=[session_view(request, s) for s in found]))
 
 
 @routes.get("/v1/sessions/{name}")

@@ -76,7 +76,7 @@ class Sandbox:
     vcpus: int | None = prop(None, description=_SHAPE_NULL)
     memory_mib: int | None = prop(None, description=_SHAPE_NULL)
     disk_mib: int | None = prop(None, description=_SHAPE_NULL)
-    # the owner's view (create, get, update; not list): gateway.preview_auth.preview_view
+    # the owner's view (get, update; not list): gateway.preview_auth.preview_view
     preview_token: str | None = prop(omit=True)
     public_ports: list[int] | None = prop(omit=True)
     preview_url_template: str | None = prop(omit=True)
@@ -268,7 +268,7 @@ class Session:
     start_state: Literal["none", "starting", "started", "failed"] = "none"
     start_pid: int | None = None
     start_error: str | None = None
-    metadata: dict[str, Any] = prop(None, schema=_METADATA)
+    metadata: dict[str, Any] | None = prop(omit=True, schema=_METADATA)
     created_at: float = 0.0
     url: str
     proxy_path: str = ""
@@ -440,7 +440,8 @@ class UpdatePreviewRequest:
 @request
 class SnapshotRequest:
     template: str = prop(pattern="^[a-z0-9][a-z0-9._-]{0,62}$", description=(
-        "the new template's name (the key's own; not a built-in's)"))
+        "the new template's name (the key's own; not a built-in's)"), code="bad_template_name",
+        message="1-63 characters of [a-z0-9._-], starting with a letter or digit")
 
 
 @request

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import re
 import types
 import typing
 from dataclasses import MISSING, dataclass
@@ -181,7 +182,7 @@ def _object(cls: Any, body: Any, where: str) -> Any:
         value = body.get(f.wire)
         if value is None:  # absent, or null: not given (the type's default)
             if f.required:
-                raise _Bad(f"'{where + f.wire}' is required")
+                raise _Bad(f"'{where + f.wire}' is required", f.meta["code"])
             continue
         try:
             values[f.attr] = _value(without_none(f.hint), value, where + f.wire, f.meta)
@@ -256,6 +257,8 @@ def _scalar(tp: Any, value: Any, where: str, bounds: dict[str, Any]) -> Any:
         raise _Bad(f"'{where}' must be a non-empty string")
     if tp is str and "maxLength" in bounds and len(value) > bounds["maxLength"]:
         raise _Bad(f"'{where}' must be at most {bounds['maxLength']} characters")
+    if tp is str and "pattern" in bounds and not re.search(bounds["pattern"], value):
+        raise _Bad(f"'{where}' must match {bounds['pattern']}")
     return float(value) if tp is float else value
 
 
