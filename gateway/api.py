@@ -16,7 +16,7 @@ from gateway.egress_api import egress_view, parse_egress
 from gateway.middleware import current_key
 from gateway.preview_auth import ACCESS_KEY, preview_view, validate_public_ports
 from gateway.registry import SandboxRecord
-from gateway.sandboxes import SandboxService, validate_create, validate_update
+from gateway.sandboxes import SandboxService, parse_metadata
 from guest.protocol import ExecRequest, validate_path
 
 SERVICE_KEY = web.AppKey("service", SandboxService)
@@ -98,14 +98,21 @@ async def healthz(request: web.Request) -> web.Response:
 
 @routes.post("/v1/sandboxes")
 async def create_sandbox(request: web.Request) -> web.Response:
-    shape, body = resources.split_request(await read_json(request))
-    template, metadata, idle = validate_create(body)
+    req = wire.parse(wire.CreateSandboxRequest, await read_json(request))
     svc = _service(request)
-    egress = (parse_egress(body["egress"], svc.backend.config.network)
-              if "egress" in body else None)
-    rec = await svc.create(current_key(request).id, template, metadata, idle,
-                           lifetimes.parse(body), egress, shape)
+    template = req.template if req.template is not None else req.environment
+    shape = resources.ShapeRequest(req.vcpus, req.memory_mib, req.disk_mib)
+    rec = await svc.create(current_key(request).id, template,
+                           parse_metadata(req.metadata) or {}, req.idle_timeout,
+                           lifetimes.Lifetimes(req.ttl, req.auto_delete_after),
+                           _egress(svc, req.egress), shape)
     return json_response(_with_egress(request, rec), status=201)
+
+
+def _egress(svc: SandboxService, value: Any) -> dict[str, Any] | None:
+    """A request's egress (a preset or ``wire.EgressRules``) normalised as stored."""
+    return None if value is None else parse_egress(wire.encode(value),
+                                                   svc.backend.config.network)
 
 
 @routes.get("/v1/sandboxes")
@@ -130,14 +137,13 @@ async def delete_sandbox(request: web.Request) -> web.Response:
 
 @routes.patch("/v1/sandboxes/{id}")
 async def update_sandbox(request: web.Request) -> web.Response:
-    body = await read_json(request)
-    idle, metadata = validate_update(body)
-    ports = validate_public_ports(body["public_ports"]) if "public_ports" in body else None
+    req = wire.parse(wire.UpdateSandboxRequest, await read_json(request))
+    ports = validate_public_ports(req.public_ports) if req.public_ports is not None else None
     svc = _service(request)
-    egress = (parse_egress(body["egress"], svc.backend.config.network)
-              if "egress" in body else None)
-    rec = svc.update(current_key(request).id, request.match_info["id"], idle, metadata,
-                     lifetimes.parse(body))
+    egress = _egress(svc, req.egress)
+    rec = svc.update(current_key(request).id, request.match_info["id"], req.idle_timeout,
+                     parse_metadata(req.metadata),
+                     lifetimes.Lifetimes(req.ttl, req.auto_delete_after))
     if egress is not None:
         rec = await svc.set_egress(current_key(request).id, rec.id, egress)
     if ports is not None:

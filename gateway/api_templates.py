@@ -12,7 +12,7 @@ from gateway import resources, snapshots, wire
 from gateway.api import _service, json_response, read_json, sandbox_view
 from gateway.errors import TemplateNotFound
 from gateway.middleware import current_key
-from gateway.sandboxes import SandboxService, parse_object
+from gateway.sandboxes import SandboxService
 from gateway.templates import Template
 
 routes = web.RouteTableDef()
@@ -53,16 +53,16 @@ async def delete_template(request: web.Request) -> web.Response:
 
 @routes.post("/v1/sandboxes/{id}/snapshot")
 async def snapshot_sandbox(request: web.Request) -> web.Response:
-    body = parse_object(await read_json(request), {"template"})
+    req = wire.parse(wire.SnapshotRequest, await read_json(request))
     view = await snapshots.snapshot(_service(request), current_key(request).id,
-                                    request.match_info["id"], body.get("template"))
+                                    request.match_info["id"], req.template)
     return json_response(view, status=201)
 
 
 @routes.post("/v1/sandboxes/{id}/fork")
 async def fork_sandbox(request: web.Request) -> web.Response:
-    body = parse_object(await read_json(request), {"count"})
+    req = wire.parse(wire.ForkRequest, await read_json(request))
     recs = await snapshots.fork(_service(request), current_key(request).id,
-                                request.match_info["id"], body.get("count", 1))
+                                request.match_info["id"], req.count)
     return json_response(wire.SandboxList(sandboxes=[sandbox_view(r) for r in recs]),
                          status=201)

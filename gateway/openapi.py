@@ -92,21 +92,39 @@ def dataclass_schema(cls: type, doc: dict[str, str] | None = None) -> dict[str, 
     return out
 
 
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` or null."""
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        return schema if "null" in kind else {**schema, "type": [*kind, "null"]}
+    if isinstance(kind, str):
+        out = {**schema, "type": [kind, "null"]}
+        if "enum" in schema:
+            out["enum"] = [*schema["enum"], None]
+        return out
+    if set(schema) == {"anyOf"}:
+        return {"anyOf": [*schema["anyOf"], {"type": "null"}]}
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
 def _wire_schema(cls: Any) -> dict[str, Any]:
     """A ``gateway.wire`` type's schema: its fields' types and metadata (gateway.wire_base)."""
     opts = cls.__wire__
     props, required = {}, []
     for f in wire_base.fields(cls):
         m = f.meta
-        schema = dict(m["schema"]) if m["schema"] else type_schema(
-            wire_base.without_none(f.hint) if f.omit else f.hint)
+        base = wire_base.without_none(f.hint)
+        schema = dict(m["schema"]) if m["schema"] else type_schema(base)
         for name, value in m["bounds"].items():
             schema[name] = {**schema.get(name, {}), **value} if name == "items" else value
+        if base is not f.hint and not f.omit:  # null allowed (omitted fields: left out)
+            schema = _nullable(schema)
         if m["description"]:
             schema["description"] = m["description"]
         if f.required:
             required.append(f.wire)
-        elif opts["kind"] == wire_base.REQUEST and f.default is not None:
+        elif opts["kind"] == wire_base.REQUEST and f.default is not None \
+                and not dataclasses.is_dataclass(f.default):
             schema["default"] = f.default
         props[f.wire] = schema
     out: dict[str, Any] = {"type": "object", "properties": props}

@@ -42,7 +42,7 @@ from gateway.middleware import current_key
 from gateway.preview_auth import ACCESS_KEY, COOKIE, TOKEN_HEADER, require_previewable
 from gateway.proxy import PROXY_KEY, Target, deferred_expect
 from gateway.registry import Registry
-from gateway.sandboxes import SandboxService, parse_metadata, parse_object, parse_seconds
+from gateway.sandboxes import SandboxService, parse_metadata
 from guest.protocol import AGENT_PORT, CommandRequest
 from vmctl import agent_interp
 
@@ -94,19 +94,12 @@ def validate_name(name: str, reserve_preview_labels: bool = False) -> str:
 
 
 def validate_spec(body: Any) -> SessionSpec:
-    body = parse_object(body, {"template", "port", "idle_timeout", "start", "metadata"})
-    port, template, start = body.get("port", 8000), body.get("template"), body.get("start")
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-        raise BadRequest("'port' must be a port number (1-65535)")
-    if port == AGENT_PORT:
+    req = wire.parse(wire.SessionSpec, body)
+    if req.port == AGENT_PORT:
         raise BadRequest(f"port {AGENT_PORT} is the guest agent's and cannot be a session's "
                          "port", code="port_reserved")
-    if template is not None and (not isinstance(template, str) or not template):
-        raise BadRequest("'template' must be a non-empty string")
-    if start is not None and (not isinstance(start, str) or not start.strip()):
-        raise BadRequest("'start' must be a non-empty shell command")
-    idle = parse_seconds(body.get("idle_timeout"), "idle_timeout")
-    return SessionSpec(template, port, idle, start, parse_metadata(body.get("metadata")) or {})
+    return SessionSpec(req.template, req.port, req.idle_timeout, req.start,
+                       parse_metadata(req.metadata) or {})
 
 
 class SessionService:

@@ -14,12 +14,12 @@ from typing import Any, Literal
 from gateway.lifecycle import State
 from gateway.wire_base import dumps, encode, parse, prop, request, response
 from guest import protocol as p
+from vmctl.egress import MAX_RULES
 
 __all__ = ["dumps", "encode", "parse"]
 
 ERROR_CODE_REF = {"$ref": "#/components/schemas/ErrorCode"}
-MAX_SECONDS = 10 * 365 * 86400.0  # a tenant's number of seconds (gateway.lifetimes)
-MAX_RULES = 64  # vmctl.egress.MAX_RULES
+MAX_SECONDS = 10 * 365 * 86400.0  # bounds a tenant's seconds (a deadline stays a sane float)
 _METADATA = {"type": "object", "description": "free-form JSON object (max 16 KiB)"}
 _RULES = dict(maxItems=MAX_RULES, items={"maxLength": 253},
               description="CIDRs or addresses (IPv4/IPv6) and domain names (example.com, "
@@ -388,7 +388,9 @@ _AUTO_DELETE = dict(_TTL, description="destroy after this many seconds suspended
                                       "0 = never")
 _EGRESS_DOC = ("egress policy: deny wins over allow, default for the rest; domain rules act at "
                "the sandbox's resolver (docs/security.md)")
-_SHAPE = dict(code="invalid_type", message="an integer")
+_SHAPE = dict(code="invalid_type", message="an integer", range_code="invalid_resources")
+_PORTS = dict(maxItems=64, items={"minimum": 1, "maximum": 65535},
+              message="a list of up to 64 port numbers (1-65535)")
 
 
 @request(code="invalid_egress")
@@ -403,38 +405,38 @@ EgressIn = Literal["deny_all", "allow_all"] | EgressRules
 
 @request
 class CreateSandboxRequest:
-    template: str | None = prop(omit=True, description="default: the server's default",
+    template: str | None = prop(None, description="default: the server's default",
                                 minLength=1)
-    environment: str | None = prop(omit=True, description="alias of template", minLength=1)
-    metadata: dict[str, Any] | None = prop(omit=True, schema=_METADATA)
-    idle_timeout: float | None = prop(omit=True, **_IDLE)
+    environment: str | None = prop(None, description="alias of template", minLength=1)
+    metadata: dict[str, Any] | None = prop(None, schema=_METADATA)
+    idle_timeout: float | None = prop(None, **_IDLE)
     egress: EgressIn | None = prop(omit=True, description=_EGRESS_DOC, code="invalid_egress")
-    ttl: float | None = prop(omit=True, **_TTL)
-    auto_delete_after: float | None = prop(omit=True, **_AUTO_DELETE)
-    vcpus: int | None = prop(omit=True, minimum=1, **_SHAPE, description=(
+    ttl: float | None = prop(None, **_TTL)
+    auto_delete_after: float | None = prop(None, **_AUTO_DELETE)
+    vcpus: int | None = prop(None, minimum=1, **_SHAPE, description=(
         "virtual CPUs (default: the server's [vm] vcpus); a new (vcpus, memory_mib) waits for "
         "its golden snapshot"))
-    memory_mib: int | None = prop(omit=True, minimum=64, **_SHAPE,
+    memory_mib: int | None = prop(None, minimum=64, **_SHAPE,
                                   description="guest RAM in MiB (default: the template's)")
-    disk_mib: int | None = prop(omit=True, minimum=1, **_SHAPE, description=(
+    disk_mib: int | None = prop(None, minimum=1, **_SHAPE, description=(
         "root disk size in MiB the guest sees (default and minimum: the template's; sparse on "
         "the host)"))
 
 
 @request
 class UpdateSandboxRequest:
-    metadata: dict[str, Any] | None = prop(omit=True, schema=_METADATA)
-    idle_timeout: float | None = prop(omit=True, **_IDLE)
-    ttl: float | None = prop(omit=True, **_TTL)
-    auto_delete_after: float | None = prop(omit=True, **_AUTO_DELETE)
+    metadata: dict[str, Any] | None = prop(None, schema=_METADATA)
+    idle_timeout: float | None = prop(None, **_IDLE)
+    ttl: float | None = prop(None, **_TTL)
+    auto_delete_after: float | None = prop(None, **_AUTO_DELETE)
     public_ports: list[int] | None = prop(omit=True, description="ports served without the "
-                                          "preview token (replaces the list)")
+                                          "preview token (replaces the list)", **_PORTS)
     egress: EgressIn | None = prop(omit=True, description=_EGRESS_DOC, code="invalid_egress")
 
 
 @request
 class UpdatePreviewRequest:
-    public_ports: list[int]
+    public_ports: list[int] = prop(description="ports served without a token", **_PORTS)
 
 
 @request
@@ -451,15 +453,17 @@ class ForkRequest:
 
 @request
 class SessionSpec:
-    template: str | None = prop(omit=True)
-    port: int = prop(8000, minimum=1, maximum=65535, description="the app's port")
-    idle_timeout: float | None = prop(omit=True, **_IDLE)
-    metadata: dict[str, Any] | None = prop(omit=True, schema=_METADATA)
-    start: str | None = prop(omit=True, description="shell command started once, in the "
-                                                    "background, when the sandbox is made")
+    template: str | None = prop(None, minLength=1, message="a non-empty string")
+    port: int = prop(8000, minimum=1, maximum=65535, description="the app's port",
+                     message="a port number (1-65535)")
+    idle_timeout: float | None = prop(None, **_IDLE)
+    metadata: dict[str, Any] | None = prop(None, schema=_METADATA)
+    start: str | None = prop(None, description="shell command started once, in the "
+                                                "background, when the sandbox is made",
+                             pattern=r"\S", message="a non-empty shell command")
 
 
-@request(description="null = back to the default", code="invalid_type")
+@request(description="null = back to the default")
 class KeyLimitsUpdate:
     max_sandboxes: int | None = _limit("max_sandboxes", False)
     max_awake: int | None = _limit("max_awake", False)
@@ -473,14 +477,16 @@ class KeyLimitsUpdate:
 
 @request
 class CreateKeyRequest:
-    name: str
-    admin: bool = False
-    limits: KeyLimitsUpdate | None = prop(omit=True)
+    name: str = prop(minLength=1, maxLength=200, pattern=r"\S", code="invalid_type",
+                     required_code="bad_request",
+                     message="a non-empty string of at most 200 characters")
+    admin: bool = prop(False, code="invalid_type", message="a JSON boolean (true or false)")
+    limits: KeyLimitsUpdate | None = prop(omit=True, code="invalid_type")
 
 
 @request
 class UpdateKeyRequest:
-    limits: KeyLimitsUpdate | None = prop(omit=True)
+    limits: KeyLimitsUpdate | None = prop(omit=True, code="invalid_type")
 
 
 # Every gateway schema of the document, in its order.

@@ -19,7 +19,9 @@ Required or not: a field without a default is required. Response types (``@respo
 their schema open to new fields, as a public contract should; request types (``@request``)
 are closed (``additionalProperties: false``), their non-None defaults are documented, and
 ``parse`` checks a body against the same types and bounds the schema shows: an unknown field
-or a wrong type is a 400 (code ``bad_request`` unless the field or class names another).
+or a wrong type is a 400 (code ``bad_request`` unless the field or class names another); a
+null is accepted where the type (so the schema) allows None, as "not given" unless the
+handler asks ``given``. tests/unit/test_wire.py checks that parser and schema agree.
 """
 
 from __future__ import annotations
@@ -70,12 +72,16 @@ def request(cls: type[T] | None = None, *, description: str | None = None,
 
 def prop(default: Any = MISSING, *, description: str | None = None, omit: bool = False,
          name: str | None = None, schema: dict[str, Any] | None = None,
-         code: str | None = None, message: str | None = None, **bounds: Any) -> Any:
+         code: str | None = None, message: str | None = None, required_code: str | None = None,
+         range_code: str | None = None, **bounds: Any) -> Any:
     """A field with its wire metadata. ``schema`` replaces the generated schema; ``bounds``
     (minimum, maximum, minLength, maxLength, pattern, maxItems, items) are added to it;
-    ``code``/``message``: the 400 a bad value of it gets (message: what it must be)."""
+    ``code``/``message``: the 400 a bad value of it gets (message: what it must be);
+    ``required_code``: the code when it is missing, ``range_code`` when it is outside its
+    minimum/maximum (default: ``code``)."""
     meta = {"description": description, "omit": omit, "name": name, "schema": schema,
-            "code": code, "message": message, "bounds": bounds}
+            "code": code, "message": message, "bounds": bounds, "required_code": required_code,
+            "range_code": range_code}
     if omit and default is MISSING:
         default = None
     return dataclasses.field(default=default, metadata={"wire": meta})
@@ -84,7 +90,7 @@ def prop(default: Any = MISSING, *, description: str | None = None, omit: bool =
 def meta(f: dataclasses.Field[Any]) -> dict[str, Any]:
     return f.metadata.get("wire") or {"description": None, "omit": False, "name": None,
                                       "schema": None, "code": None, "message": None,
-                                      "bounds": {}}
+                                      "bounds": {}, "required_code": None, "range_code": None}
 
 
 def is_wire(cls: Any) -> bool:
@@ -159,42 +165,71 @@ class _Bad(Exception):
         self.message, self.code = message, code
 
 
+class _OutOfRange(_Bad):
+    """The right type, outside its minimum/maximum."""
+
+
 def parse(cls: type[T], body: Any) -> T:
-    """``body`` (parsed JSON) as an instance of the request type ``cls``, or 400."""
-    code = cls.__wire__["code"] or "bad_request"  # type: ignore[attr-defined]
+    """``body`` (parsed JSON) as an instance of the request type ``cls``, or 400. A field
+    given as null is None where its type allows None; ``given`` tells which were given."""
     try:
         return _object(cls, body, "")
     except _Bad as exc:
-        raise BadRequest(exc.message, code=exc.code or code) from None
+        raise BadRequest(exc.message, code=exc.code or "bad_request") from None
+
+
+def given(obj: Any) -> frozenset[str]:
+    """The wire names of the fields a parsed request body had (null ones too)."""
+    return getattr(obj, "_wire_given", frozenset())
+
+
+def _nullable(tp: Any) -> bool:
+    return tp is Any or (typing.get_origin(tp) in (typing.Union, types.UnionType)
+                         and type(None) in typing.get_args(tp))
 
 
 def _object(cls: Any, body: Any, where: str) -> Any:
+    code = cls.__wire__["code"]
     if not isinstance(body, dict):
         raise _Bad(f"'{where}' must be a JSON object" if where
-                   else "request body must be a JSON object")
+                   else "request body must be a JSON object", code)
     known = {f.wire: f for f in fields(cls)}
     unknown = set(body) - set(known)
     if unknown:
         prefix = f"{where}: " if where else ""
-        raise _Bad(f"{prefix}unknown field(s): {', '.join(sorted(unknown))[:200]}")
+        raise _Bad(f"{prefix}unknown field(s): {', '.join(sorted(unknown))[:200]}",
+                   code or "bad_request")
     values = {}
     for f in known.values():
-        value = body.get(f.wire)
-        if value is None:  # absent, or null: not given (the type's default)
+        path = f"{where}.{f.wire}" if where else f.wire
+        if f.wire not in body:
             if f.required:
-                raise _Bad(f"'{where + f.wire}' is required", f.meta["code"])
+                raise _Bad(f"'{path}' is required",
+                           f.meta.get("required_code") or f.meta["code"] or code)
+            continue
+        value = body[f.wire]
+        if value is None and _nullable(f.hint) and not f.omit:
+            values[f.attr] = None
             continue
         try:
-            values[f.attr] = _value(without_none(f.hint), value, where + f.wire, f.meta)
+            values[f.attr] = _value(without_none(f.hint), value, path, f.meta)
         except _Bad as exc:
-            raise _Bad(exc.message, exc.code or f.meta["code"]) from None
-    return cls(**values)
+            raise _Bad(exc.message, exc.code or f.meta["code"] or code) from None
+    out = cls(**values)
+    object.__setattr__(out, "_wire_given", frozenset(body))
+    return out
 
 
 def _value(tp: Any, value: Any, where: str, m: dict[str, Any]) -> Any:
     what = m.get("message")
     try:
         return _checked(tp, value, where, m.get("bounds") or {})
+    except _OutOfRange as exc:
+        if m.get("range_code"):
+            raise _Bad(exc.message, m["range_code"]) from None
+        if what and not exc.code:
+            raise _Bad(f"'{where}' must be {what}") from None
+        raise
     except _Bad as exc:
         if what and not exc.code:
             raise _Bad(f"'{where}' must be {what}") from None
@@ -206,7 +241,7 @@ def _checked(tp: Any, value: Any, where: str, bounds: dict[str, Any]) -> Any:
     if tp is Any:
         return value
     if is_wire(tp):
-        return _object(tp, value, where + ".")
+        return _object(tp, value, where)
     if origin is Literal:
         if value not in args:
             raise _Bad(f"'{where}' must be one of {', '.join(map(repr, args))}")
@@ -252,7 +287,7 @@ def _scalar(tp: Any, value: Any, where: str, bounds: dict[str, Any]) -> Any:
     if not ok:
         raise _Bad(f"'{where}' must be {_KINDS[tp]}{_range(lo, hi)}")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise _Bad(f"'{where}' must be {_KINDS[tp]}{_range(lo, hi)}")
+        raise _OutOfRange(f"'{where}' must be {_KINDS[tp]}{_range(lo, hi)}")
     if tp is str and len(value) < bounds.get("minLength", 0):
         raise _Bad(f"'{where}' must be a non-empty string")
     if tp is str and "maxLength" in bounds and len(value) > bounds["maxLength"]:

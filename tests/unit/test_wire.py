@@ -158,3 +158,34 @@ def test_a_create_parses_into_its_type():
     assert wire.parse(wire.CreateSandboxRequest, {"egress": "deny_all"}).egress == "deny_all"
     with pytest.raises(BadRequest, match="request body must be a JSON object"):
         wire.parse(wire.UpdateSandboxRequest, [])
+
+
+@pytest.mark.parametrize(("cls", "body", "code"), [
+    (wire.CreateKeyRequest, {"name": "k", "admin": None}, "invalid_type"),
+    (wire.CreateKeyRequest, {"name": "k", "admin": "false"}, "invalid_type"),
+    (wire.CreateKeyRequest, {"name": "   "}, "invalid_type"),
+    (wire.CreateKeyRequest, {"name": "k" * 201}, "invalid_type"),
+    (wire.CreateKeyRequest, {}, "bad_request"),
+    (wire.CreateKeyRequest, {"name": "k", "limits": None}, "invalid_type"),
+    (wire.CreateKeyRequest, {"name": "k", "limits": {"burst": 0}}, "invalid_type"),
+    (wire.CreateKeyRequest, {"name": "k", "limits": {"nope": 1}}, "bad_request"),
+    (wire.UpdateKeyRequest, {"limits": {"rate": "fast"}}, "invalid_type"),
+    (wire.SnapshotRequest, {}, "bad_template_name"),
+    (wire.SnapshotRequest, {"template": "Bad Name"}, "bad_template_name"),
+    (wire.SnapshotRequest, {"template": "x", "y": 1}, "bad_request"),
+    (wire.ForkRequest, {"count": True}, "bad_request"),
+    (wire.SessionSpec, {"port": None}, "bad_request"),
+    (wire.SessionSpec, {"start": "  "}, "bad_request"),
+    (wire.UpdateSandboxRequest, {"public_ports": [0]}, "bad_request"),
+    (wire.UpdateSandboxRequest, {"egress": None}, "invalid_egress"),
+])
+def test_other_refusals_keep_their_codes(cls, body, code):
+    with pytest.raises(BadRequest) as info:
+        wire.parse(cls, body)
+    assert info.value.code == code
+
+
+def test_given_tells_null_from_absent():
+    req = wire.parse(wire.UpdateKeyRequest, {"limits": {"rate": None, "burst": 5}})
+    assert wire_base.given(req.limits) == {"rate", "burst"} and req.limits.rate is None
+    assert wire_base.given(wire.parse(wire.UpdateKeyRequest, {})) == frozenset()
