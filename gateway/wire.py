@@ -4,7 +4,8 @@ These classes are the wire contract: ``gateway.openapi`` generates the document'
 from them, the handlers answer instances of them (``api.json_response``) and parse request
 bodies into them (``parse``). How fields map to JSON Schema (``prop``, ``omit``, required,
 closed request types): ``gateway.wire_base``. Shapes that cross to the guest are the
-dataclasses of ``guest.protocol``; the ones here may refer to them.
+dataclasses of ``guest.protocol``; the ones here may refer to them. One module on purpose
+(longer than most): the whole REST contract reads in one place.
 """
 
 from __future__ import annotations

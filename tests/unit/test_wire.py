@@ -189,3 +189,14 @@ def test_given_tells_null_from_absent():
     req = wire.parse(wire.UpdateKeyRequest, {"limits": {"rate": None, "burst": 5}})
     assert wire_base.given(req.limits) == {"rate", "burst"} and req.limits.rate is None
     assert wire_base.given(wire.parse(wire.UpdateKeyRequest, {})) == frozenset()
+
+
+def test_type_schema_of_enums_and_literals():
+    from typing import Literal
+
+    from gateway.lifecycle import State
+
+    assert openapi.type_schema(State)["enum"][0] == next(iter(State)).value
+    assert openapi.type_schema(Literal["a", "b"] | None) == {
+        "type": ["string", "null"], "enum": ["a", "b", None]}
+    assert openapi.type_schema(wire.Egress) == {"$ref": "#/components/schemas/Egress"}
