@@ -67,7 +67,7 @@ class Sandbox:
     last_suspend_ms: float | None = None
     last_restore_ms: float | None = None
     failure: str | None = None
-    egress: Egress = Egress(source="host")
+    egress: Egress = prop(factory=lambda: Egress(source="host"))
     # lifetimes (gateway.lifetimes)
     expires_at: float | None = prop(None, description="Unix time its ttl ends")
     auto_delete_after: float = 0.0
@@ -245,7 +245,7 @@ class Health:
     vmm: str = ""
     accel: str = ""
     accel_reason: str = ""
-    templates: list[str] = ()  # type: ignore[assignment]
+    templates: list[str] = prop(factory=list)
 
 
 @response(extra=True)
@@ -320,7 +320,7 @@ class Key:
     created_at: float = 0.0
     revoked: bool = False
     limits: KeyLimits
-    overrides: KeyLimits = prop(KeyLimits(), description="this key's own values")
+    overrides: KeyLimits = prop(factory=KeyLimits, description="this key's own values")
 
 
 @response
