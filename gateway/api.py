@@ -9,14 +9,14 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway import lifetimes, listing
+from gateway import lifetimes, listing, wire
 from gateway import resources
 from gateway.errors import BadRequest, Forbidden, NotFound, PayloadTooLarge
 from gateway.egress_api import egress_view, parse_egress
 from gateway.middleware import current_key
 from gateway.preview_auth import ACCESS_KEY, preview_view, validate_public_ports
 from gateway.registry import SandboxRecord
-from gateway.sandboxes import SandboxService, validate_create, validate_update
+from gateway.sandboxes import SandboxService, parse_metadata
 from guest.protocol import ExecRequest, validate_path
 
 SERVICE_KEY = web.AppKey("service", SandboxService)
@@ -27,7 +27,8 @@ routes = web.RouteTableDef()
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+    """``data``: a ``gateway.wire`` type (or a protocol dataclass, or plain JSON data)."""
+    return web.Response(body=wire.dumps(data), status=status, content_type="application/json")
 
 
 async def read_json(request: web.Request) -> Any:
@@ -40,24 +41,31 @@ async def read_json(request: web.Request) -> Any:
         raise BadRequest(f"malformed JSON: {exc}", code="bad_json") from exc
 
 
-def sandbox_view(rec: SandboxRecord) -> dict[str, Any]:
-    return {
-        "id": rec.id, "state": rec.state.value, "template": rec.template,
-        "metadata": rec.metadata, "idle_timeout": rec.idle_timeout,
-        "created_at": rec.created_at, "updated_at": rec.updated_at,
-        "last_activity": rec.last_activity, "suspend_count": rec.suspend_count,
-        "restore_count": rec.restore_count, "last_suspend_ms": rec.last_suspend_ms,
-        "last_restore_ms": rec.last_restore_ms, "failure": rec.failure,
-        "egress": egress_view(rec.egress),
-        "vcpus": rec.vcpus or None, "memory_mib": rec.memory_mib or None,
-        "disk_mib": rec.disk_mib or None,
-    } | lifetimes.view(rec)
+def sandbox_view(rec: SandboxRecord) -> wire.Sandbox:
+    return wire.Sandbox(
+        id=rec.id, state=rec.state, template=rec.template,
+        metadata=rec.metadata, idle_timeout=rec.idle_timeout,
+        created_at=rec.created_at, updated_at=rec.updated_at,
+        last_activity=rec.last_activity, suspend_count=rec.suspend_count,
+        restore_count=rec.restore_count, last_suspend_ms=rec.last_suspend_ms,
+        last_restore_ms=rec.last_restore_ms, failure=rec.failure,
+        egress=egress_view(rec.egress),
+        vcpus=rec.vcpus or None, memory_mib=rec.memory_mib or None,
+        disk_mib=rec.disk_mib or None, **lifetimes.view(rec))
 
 
-def _with_egress(request: web.Request, rec: SandboxRecord) -> dict[str, Any]:
+def _with_egress(request: web.Request, rec: SandboxRecord) -> wire.Sandbox:
     """``sandbox_view`` with the host default spelled out when the sandbox follows it."""
-    return sandbox_view(rec) | {
-        "egress": egress_view(rec.egress, _service(request).backend.config.network)}
+    return dataclasses.replace(sandbox_view(rec), egress=egress_view(
+        rec.egress, _service(request).backend.config.network))
+
+
+def owner_view(request: web.Request, rec: SandboxRecord) -> wire.Sandbox:
+    """What the sandbox's owner sees (get, update): its preview access too."""
+    preview = preview_view(request, rec.id)
+    return dataclasses.replace(_with_egress(request, rec), preview_token=preview.preview_token,
+                               public_ports=preview.public_ports,
+                               preview_url_template=preview.preview_url_template)
 
 
 def _service(request: web.Request) -> SandboxService:
@@ -79,9 +87,10 @@ def _tenant(request: web.Request) -> str:
 @routes.get("/healthz")
 async def healthz(request: web.Request) -> web.Response:
     svc = _service(request)
-    return json_response({"status": "ok", "vmm": svc.backend.driver_name,
-                          "accel": svc.backend.accel.value, "accel_reason": svc.backend.reason,
-                          "templates": sorted(svc.goldens)})
+    return json_response(wire.Health(status="ok", vmm=svc.backend.driver_name,
+                                     accel=svc.backend.accel.value,
+                                     accel_reason=svc.backend.reason,
+                                     templates=sorted(svc.goldens)))
 
 
 # /v1/templates and /snapshot, /fork: gateway/api_templates.py
@@ -89,27 +98,35 @@ async def healthz(request: web.Request) -> web.Response:
 
 @routes.post("/v1/sandboxes")
 async def create_sandbox(request: web.Request) -> web.Response:
-    shape, body = resources.split_request(await read_json(request))
-    template, metadata, idle = validate_create(body)
+    req = wire.parse(wire.CreateSandboxRequest, await read_json(request))
     svc = _service(request)
-    egress = (parse_egress(body["egress"], svc.backend.config.network)
-              if "egress" in body else None)
-    rec = await svc.create(current_key(request).id, template, metadata, idle,
-                           lifetimes.parse(body), egress, shape)
+    template = req.template if req.template is not None else req.environment
+    shape = resources.ShapeRequest(req.vcpus, req.memory_mib, req.disk_mib)
+    rec = await svc.create(current_key(request).id, template,
+                           parse_metadata(req.metadata) or {}, req.idle_timeout,
+                           lifetimes.Lifetimes(req.ttl, req.auto_delete_after),
+                           _egress(svc, req.egress), shape)
     return json_response(_with_egress(request, rec), status=201)
+
+
+def _egress(svc: SandboxService, value: Any) -> dict[str, Any] | None:
+    """A request's egress (a preset or ``wire.EgressRules``) normalised as stored."""
+    return None if value is None else parse_egress(wire.encode(value),
+                                                   svc.backend.config.network)
 
 
 @routes.get("/v1/sandboxes")
 async def list_sandboxes(request: web.Request) -> web.Response:
     query = listing.parse_query(request.query)
     page, cursor = listing.select(_service(request).list(_tenant(request)), query)
-    return json_response({"sandboxes": [sandbox_view(r) for r in page], "next_cursor": cursor})
+    return json_response(wire.SandboxList(sandboxes=[sandbox_view(r) for r in page],
+                                          next_cursor=cursor))
 
 
 @routes.get("/v1/sandboxes/{id}")
 async def get_sandbox(request: web.Request) -> web.Response:
     rec = _service(request).get(_tenant(request), request.match_info["id"])
-    return json_response(_with_egress(request, rec) | preview_view(request, rec.id))
+    return json_response(owner_view(request, rec))
 
 
 @routes.delete("/v1/sandboxes/{id}")
@@ -120,19 +137,18 @@ async def delete_sandbox(request: web.Request) -> web.Response:
 
 @routes.patch("/v1/sandboxes/{id}")
 async def update_sandbox(request: web.Request) -> web.Response:
-    body = await read_json(request)
-    idle, metadata = validate_update(body)
-    ports = validate_public_ports(body["public_ports"]) if "public_ports" in body else None
+    req = wire.parse(wire.UpdateSandboxRequest, await read_json(request))
+    ports = validate_public_ports(req.public_ports) if req.public_ports is not None else None
     svc = _service(request)
-    egress = (parse_egress(body["egress"], svc.backend.config.network)
-              if "egress" in body else None)
-    rec = svc.update(current_key(request).id, request.match_info["id"], idle, metadata,
-                     lifetimes.parse(body))
+    egress = _egress(svc, req.egress)
+    rec = svc.update(current_key(request).id, request.match_info["id"], req.idle_timeout,
+                     parse_metadata(req.metadata),
+                     lifetimes.Lifetimes(req.ttl, req.auto_delete_after))
     if egress is not None:
         rec = await svc.set_egress(current_key(request).id, rec.id, egress)
     if ports is not None:
         request.config_dict[ACCESS_KEY].set_public_ports(rec.id, ports)
-    return json_response(_with_egress(request, rec) | preview_view(request, rec.id))
+    return json_response(owner_view(request, rec))
 
 
 @routes.post("/v1/sandboxes/{id}/suspend")

@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway import wire
 from gateway.api import json_response
 from gateway.builds import BuildService
 from gateway.builtin_builds import BuiltinBuilds
@@ -79,7 +80,7 @@ async def start_build(request: web.Request) -> web.Response:
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)
         raise
-    return json_response({"build": build.view()}, status=202)
+    return json_response(wire.BuildResponse(build=build.view()), status=202)
 
 
 async def _receive(request: web.Request, root: Path, limit: int) -> None:
@@ -115,7 +116,7 @@ def unpack(tar_path: Path, dest: Path, max_bytes: int) -> None:
 @routes.get("/v1/templates/builds/{build_id}")
 async def get_build(request: web.Request) -> web.Response:
     build = _builds(request).get(current_key(request).id, request.match_info["build_id"])
-    return json_response({"build": build.view()})
+    return json_response(wire.BuildResponse(build=build.view()))
 
 
 @routes.get("/v1/templates/builds/{build_id}/log")
@@ -155,8 +156,8 @@ def register_template(service: SandboxService) -> Callable[..., dict[str, Any]]:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         try:
-            return service.templates.add(tenant, name, dest, "dockerfile",
-                                         template_id=template_id)
+            return wire.encode(service.templates.add(tenant, name, dest, "dockerfile",
+                                                     template_id=template_id))
         except BaseException:
             shutil.rmtree(dest, ignore_errors=True)
             raise

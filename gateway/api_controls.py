@@ -16,7 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import usage
+from gateway import usage, wire
 from gateway.api import SERVICE_KEY, _tenant, json_response
 from gateway.errors import BadRequest, Forbidden
 from gateway.lifecycle import State
@@ -103,8 +103,9 @@ async def get_usage(request: web.Request) -> web.Response:
     for _, (total, items) in sorted(report.items(), key=lambda kv: kv[0]):
         body = total.to_dict()
         del body["sandbox_id"]
-        keys.append(body | {"sandboxes": [u.to_dict() for u in items]})
-    return json_response({"from": lo, "to": hi, "keys": keys})
+        keys.append(wire.KeyUsage(**body, sandboxes=[wire.SandboxUsage(**u.to_dict())
+                                                     for u in items]))
+    return json_response(wire.Usage(from_=lo, to=hi, keys=keys))
 
 
 def prometheus_lines(service: SandboxService) -> list[str]:
@@ -200,9 +201,9 @@ async def sandbox_metrics(request: web.Request) -> web.Response:
         if figures["memory_bytes"] is None:
             figures["memory_bytes"] = figures["rss_bytes"]
     disk = await asyncio.to_thread(tree_bytes, Path(rec.root))
-    return json_response({"sandbox_id": rec.id, "state": rec.state.value, "vmm_pid": pid,
-                          "source": source, **figures, "disk_bytes": disk,
-                          "snapshot_bytes": rec.snapshot_bytes, "at": time.time()})
+    return json_response(wire.SandboxMetrics(
+        sandbox_id=rec.id, state=rec.state.value, vmm_pid=pid, source=source, **figures,
+        disk_bytes=disk, snapshot_bytes=rec.snapshot_bytes, at=time.time()))
 
 
 # -- per-sandbox logs -------------------------------------------------------------------------
@@ -241,8 +242,8 @@ async def sandbox_logs(request: web.Request) -> web.Response:
     rec = svc.get(_tenant(request), request.match_info["id"])
     tail = _int(request.query.get("tail"), DEFAULT_TAIL, MAX_TAIL, "tail")
     console, truncated = await asyncio.to_thread(console_tail, Path(rec.root), tail)
-    events = [{"at": t["at"], "from": t["from_state"], "to": t["to_state"],
-               "event": t["event"], "cause": t["cause"]}
+    events = [wire.SandboxEvent(at=t["at"], from_=t["from_state"], to=t["to_state"],
+                                event=t["event"], cause=t["cause"])
               for t in svc.registry.transitions(rec.id)[-min(tail or 1, MAX_EVENTS):]]
-    return json_response({"sandbox_id": rec.id, "console": console, "truncated": truncated,
-                          "events": events})
+    return json_response(wire.SandboxLogs(sandbox_id=rec.id, console=console,
+                                          truncated=truncated, events=events))

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from gateway import wire
 from gateway.api import SERVICE_KEY, json_response, read_json
 from gateway.middleware import current_key
 from guest.protocol import (
@@ -97,7 +98,7 @@ async def create_context(request: web.Request) -> web.Response:
 async def list_contexts(request: web.Request) -> web.Response:
     async with _use(request) as machine:
         contexts = await agent_interp.list_contexts(machine.require_agent())
-    return json_response({"contexts": [c.to_dict() for c in contexts]})
+    return json_response(wire.ContextList(contexts=list(contexts)))
 
 
 @routes.delete(_SB + "/contexts/{name}")
@@ -125,7 +126,7 @@ async def start_command(request: web.Request) -> web.StreamResponse:
 async def list_commands(request: web.Request) -> web.Response:
     async with _use(request) as machine:
         infos = await agent_interp.list_commands(machine.require_agent())
-    return json_response({"commands": [i.to_dict() for i in infos]})
+    return json_response(wire.ProcessList(commands=list(infos)))
 
 
 @routes.get(_PID)

@@ -12,25 +12,24 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import quotas
+from gateway import quotas, wire
 from gateway.api import json_response, read_json
 from gateway.errors import BadRequest, Forbidden, NotFound
 from gateway.middleware import REGISTRY_KEY, current_key
 from gateway.quotas import TenancyConfig
 from gateway.registry import ApiKey
-from gateway.sandboxes import parse_object
+from gateway.wire_base import given
 
 TENANCY_KEY = web.AppKey("tenancy_config", TenancyConfig)
-MAX_NAME = 200
 
 routes = web.RouteTableDef()
 
 
-def key_view(key: ApiKey, tenancy: quotas.TenancyConfig) -> dict[str, Any]:
+def key_view(key: ApiKey, tenancy: quotas.TenancyConfig) -> wire.Key:
     limits = tenancy.limits_for(key.admin, key.limits)
-    return {"id": key.id, "name": key.name, "admin": key.admin, "created_at": key.created_at,
-            "revoked": key.revoked, "limits": limits.as_dict(),
-            "overrides": key.limits}
+    return wire.Key(id=key.id, name=key.name, admin=key.admin, created_at=key.created_at,
+                    revoked=key.revoked, limits=wire.KeyLimits(**limits.as_dict()),
+                    overrides=wire.KeyLimits(**key.limits))
 
 
 def _require_admin(request: web.Request) -> None:
@@ -43,16 +42,15 @@ def _defaults(request: web.Request) -> quotas.TenancyConfig:
 
 
 def validate_new_key(body: Any) -> tuple[str, bool, dict[str, Any]]:
-    body = parse_object(body, {"name", "admin", "limits"})
-    name = body.get("name")
-    if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME:
-        raise BadRequest(f"'name' must be a non-empty string of at most {MAX_NAME} characters",
-                         code="invalid_type" if "name" in body else "bad_request")
-    admin = body.get("admin", False)
-    if not isinstance(admin, bool):
-        raise BadRequest("'admin' must be a JSON boolean (true or false)", code="invalid_type")
-    limits = quotas.parse_overrides(body.get("limits", {}))
-    return name.strip(), admin, quotas.apply_overrides({}, limits)
+    req = wire.parse(wire.CreateKeyRequest, body)
+    return req.name.strip(), req.admin, quotas.apply_overrides({}, _overrides(req.limits))
+
+
+def _overrides(limits: wire.KeyLimitsUpdate | None) -> dict[str, Any]:
+    """The limits a request named (null: back to the default)."""
+    if limits is None:
+        return {}
+    return quotas.parse_overrides({name: getattr(limits, name) for name in given(limits)})
 
 
 @routes.post("/v1/keys")
@@ -60,7 +58,8 @@ async def create_key(request: web.Request) -> web.Response:
     _require_admin(request)
     name, admin, limits = validate_new_key(await read_json(request))
     key, secret = request.app[REGISTRY_KEY].create_key(name, admin=admin, limits=limits)
-    return json_response(key_view(key, _defaults(request)) | {"key": secret}, status=201)
+    view = key_view(key, _defaults(request))
+    return json_response(wire.CreatedKey(**vars(view), key=secret), status=201)
 
 
 @routes.get("/v1/keys")
@@ -68,17 +67,17 @@ async def list_keys(request: web.Request) -> web.Response:
     _require_admin(request)
     revoked = request.query.get("revoked", "0") == "1"
     keys = request.app[REGISTRY_KEY].list_keys(include_revoked=revoked)
-    return json_response({"keys": [key_view(k, _defaults(request)) for k in keys]})
+    return json_response(wire.KeyList(keys=[key_view(k, _defaults(request)) for k in keys]))
 
 
 @routes.patch("/v1/keys/{key_id}")
 async def update_key(request: web.Request) -> web.Response:
     _require_admin(request)
-    body = parse_object(await read_json(request), {"limits"})
+    req = wire.parse(wire.UpdateKeyRequest, await read_json(request))
     registry = request.app[REGISTRY_KEY]
     key = _get(request)
-    if "limits" in body:
-        overrides = quotas.apply_overrides(key.limits, quotas.parse_overrides(body["limits"]))
+    if req.limits is not None:
+        overrides = quotas.apply_overrides(key.limits, _overrides(req.limits))
         registry.set_key_limits(key.id, overrides)
     return json_response(key_view(_get(request), _defaults(request)))
 

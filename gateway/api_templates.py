@@ -4,26 +4,27 @@ Transport only: the catalog (gateway/templates.py) and gateway/snapshots.py deci
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
 
 from aiohttp import web
 
-from gateway import resources, snapshots
+from gateway import resources, snapshots, wire
 from gateway.api import _service, json_response, read_json, sandbox_view
 from gateway.errors import TemplateNotFound
 from gateway.middleware import current_key
-from gateway.sandboxes import SandboxService, parse_object
+from gateway.sandboxes import SandboxService
 from gateway.templates import Template
 
 routes = web.RouteTableDef()
 
 
-def _view(svc: SandboxService, t: Template) -> dict[str, Any]:
+def _view(svc: SandboxService, t: Template) -> wire.Template:
     """A template's view; a built-in one also shows its default shape and limits."""
     view = t.view(svc.config.sandbox.default_template)
     golden = None if t.tenant else svc.goldens.get(t.name)
     if golden is not None:
-        view |= resources.template_view(golden, svc.config.resources.for_template(t.name))
+        view = dataclasses.replace(view, **resources.template_view(
+            golden, svc.config.resources.for_template(t.name)))
     return view
 
 
@@ -31,8 +32,8 @@ def _view(svc: SandboxService, t: Template) -> dict[str, Any]:
 async def list_templates(request: web.Request) -> web.Response:
     svc = _service(request)
     pending = svc.builtin_builds.views() if svc.builtin_builds is not None else []
-    return json_response({"templates": [
-        _view(svc, t) for t in svc.templates.list(current_key(request).id)] + pending})
+    return json_response(wire.TemplateList(templates=[
+        _view(svc, t) for t in svc.templates.list(current_key(request).id)] + pending))
 
 
 @routes.get("/v1/templates/{name}")
@@ -52,15 +53,16 @@ async def delete_template(request: web.Request) -> web.Response:
 
 @routes.post("/v1/sandboxes/{id}/snapshot")
 async def snapshot_sandbox(request: web.Request) -> web.Response:
-    body = parse_object(await read_json(request), {"template"})
+    req = wire.parse(wire.SnapshotRequest, await read_json(request))
     view = await snapshots.snapshot(_service(request), current_key(request).id,
-                                    request.match_info["id"], body.get("template"))
+                                    request.match_info["id"], req.template)
     return json_response(view, status=201)
 
 
 @routes.post("/v1/sandboxes/{id}/fork")
 async def fork_sandbox(request: web.Request) -> web.Response:
-    body = parse_object(await read_json(request), {"count"})
+    req = wire.parse(wire.ForkRequest, await read_json(request))
     recs = await snapshots.fork(_service(request), current_key(request).id,
-                                request.match_info["id"], body.get("count", 1))
-    return json_response({"sandboxes": [sandbox_view(r) for r in recs]}, status=201)
+                                request.match_info["id"], req.count)
+    return json_response(wire.SandboxList(sandboxes=[sandbox_view(r) for r in recs]),
+                         status=201)

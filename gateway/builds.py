@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gateway import builder_vm
+from gateway import builder_vm, wire
 from gateway.builder_vm import BootFiles, BuilderVM
 from gateway.errors import ApiError, BadRequest, Conflict, NotFound, Unavailable
 from guest.protocol import DEFAULT_CONTEXT, CreateContextRequest, ExecRequest, InitRequest
@@ -110,12 +110,13 @@ class Build:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def view(self) -> dict[str, Any]:
-        return {"id": self.id, "name": self.name, "state": self.state.value,
-                "created_at": self.created_at, "finished_at": self.finished_at,
-                "step": self.step, "steps": len(self.recipe.steps) + 1,
-                "cached_steps": self.cached_steps, "error": self.error,
-                "template": self.template}
+    def view(self) -> wire.Build:
+        return wire.Build(id=self.id, name=self.name,
+                          state=self.state.value,  # type: ignore[arg-type]
+                          created_at=self.created_at, finished_at=self.finished_at,
+                          step=self.step, steps=len(self.recipe.steps) + 1,
+                          cached_steps=self.cached_steps, error=self.error,
+                          template=self.template)
 
     async def follow(self) -> AsyncIterator[dict[str, Any]]:
         """Every event so far, then new ones as they come, until the build ends."""

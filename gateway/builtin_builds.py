@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gateway import wire
 from gateway.errors import Unavailable
 from vmctl.golden import Golden
 
@@ -43,10 +44,11 @@ class Progress:
     stage: str = "queued"
     line: str = ""
 
-    def view(self) -> dict[str, Any]:
+    def view(self) -> wire.TemplateProgress:
         n = STAGES.index(self.stage) + 1 if self.stage in STAGES else 0
-        return {"stage": self.stage, "stage_index": n, "stages": len(STAGES),
-                "elapsed_s": round(time.monotonic() - self.started, 1), "last": self.line}
+        return wire.TemplateProgress(stage=self.stage, stage_index=n, stages=len(STAGES),
+                                     elapsed_s=round(time.monotonic() - self.started, 1),
+                                     last=self.line)
 
 
 def stage_of(line: str) -> str | None:
@@ -93,17 +95,18 @@ class BuiltinBuilds:
         """Raise the answer for a create from ``name`` while it is not servable."""
         if name in self.building:
             p = self.building[name].view()
-            raise Unavailable(f"template {name!r} is still being built (stage {p['stage']}, "
-                              f"{p['elapsed_s']:.0f}s so far)", code="template_building",
+            raise Unavailable(f"template {name!r} is still being built (stage {p.stage}, "
+                              f"{p.elapsed_s:.0f}s so far)", code="template_building",
                               headers={"Retry-After": RETRY_AFTER})
         if name in self.failed:
             raise Unavailable(f"template {name!r} failed to build: {self.failed[name]}",
                               code="template_build_failed")
 
-    def views(self) -> list[dict[str, Any]]:
-        out = [{"name": n, "state": "building", "progress": p.view()}
+    def views(self) -> list[wire.Template]:
+        out = [wire.Template(name=n, state="building", progress=p.view())
                for n, p in self.building.items()]
-        return out + [{"name": n, "state": "failed", "error": e} for n, e in self.failed.items()]
+        return out + [wire.Template(name=n, state="failed", error=e)
+                      for n, e in self.failed.items()]
 
     async def _run(self) -> None:
         for name in list(self.names):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
+from gateway import wire
 from gateway.errors import BadRequest
 from vmctl import egress
 from vmctl.egress import EgressPolicy
@@ -114,13 +115,14 @@ def policy_of(stored: dict[str, Any] | None, config: NetworkConfig) -> EgressPol
 
 
 def egress_view(stored: dict[str, Any] | None,
-                config: NetworkConfig | None = None) -> dict[str, Any]:
+                config: NetworkConfig | None = None) -> wire.Egress:
     """What ``GET`` shows: the sandbox's policy, or the host default it follows (spelled out
     when ``config`` is given)."""
     if stored is not None:
-        return {**stored, "source": "sandbox"}
+        return wire.Egress(default=stored.get("default"), allow=stored.get("allow"),
+                           deny=stored.get("deny"), source="sandbox")
     if config is None:
-        return {"source": "host"}
-    return {"default": "allow" if config.allow_egress else "deny",
-            "allow": list(config.egress_allow) if config.allow_egress else [], "deny": [],
-            "source": "host"}
+        return wire.Egress(source="host")
+    return wire.Egress(default="allow" if config.allow_egress else "deny",
+                       allow=list(config.egress_allow) if config.allow_egress else [],
+                       deny=[], source="host")

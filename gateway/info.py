@@ -8,6 +8,7 @@ import importlib.metadata
 
 from aiohttp import web
 
+from gateway import wire
 from gateway.config import ServerConfig
 
 SERVER_KEY = web.AppKey("server_config", ServerConfig)
@@ -36,6 +37,7 @@ def url_templates(server: ServerConfig) -> tuple[str, str]:
 async def get_info(request: web.Request) -> web.Response:
     server = request.config_dict[SERVER_KEY]
     preview, session = url_templates(server)
-    return web.json_response({"version": _version(), "preview_domain": server.preview_domain,
-                          "session_domain": server.session_domain,
-                          "preview_url_template": preview, "session_url_template": session})
+    info = wire.Info(version=_version(), preview_domain=server.preview_domain,
+                     session_domain=server.session_domain, preview_url_template=preview,
+                     session_url_template=session)
+    return web.Response(body=wire.dumps(info), content_type="application/json")

@@ -36,40 +36,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SCAN_S = 1.0
-MAX_SECONDS = 10 * 365 * 86400.0  # bounds a tenant's number (a deadline stays a sane float)
 ASLEEP = (State.SUSPENDED, State.FAILED)
-FIELDS = frozenset({"ttl", "auto_delete_after"})
 
 
 @dataclass(frozen=True)
 class Lifetimes:
-    """What a create or PATCH asked for (None: not given)."""
+    """What a create or PATCH asked for (None: not given; ``gateway.wire`` parses and bounds
+    the request's numbers)."""
 
     ttl: float | None = None
     auto_delete_after: float | None = None
-
-
-def _seconds(body: dict[str, Any], name: str) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not 0 <= value <= MAX_SECONDS:
-        raise BadRequest(f"'{name}' must be a number of seconds from 0 to {MAX_SECONDS:g} "
-                         "(0 = never)")
-    return float(value)
-
-
-def parse(body: Any) -> Lifetimes:
-    """The lifetime fields of a create or PATCH body (the rest is validated elsewhere)."""
-    if not isinstance(body, dict):
-        return Lifetimes()
-    return Lifetimes(_seconds(body, "ttl"), _seconds(body, "auto_delete_after"))
-
-
-def strip(body: Any) -> Any:
-    """``body`` without the lifetime fields (for the validators that do not know them)."""
-    return {k: v for k, v in body.items() if k not in FIELDS} if isinstance(body, dict) else body
 
 
 def _check_ttl(ttl: float, cfg: SandboxConfig) -> float:

@@ -12,9 +12,9 @@ import logging
 import secrets
 from collections.abc import Awaitable, Callable
 
-import orjson
 from aiohttp import web
 
+from gateway import wire
 from gateway.errors import ApiError, Unauthorized
 from gateway.registry import ApiKey, Registry
 from guest.protocol import ProtocolError
@@ -31,7 +31,7 @@ PUBLIC_PATHS = frozenset({"/healthz", "/v1/openapi.json"})
 
 def error_response(status: int, code: str, message: str,
                    headers: dict[str, str] | None = None) -> web.Response:
-    body = orjson.dumps({"error": {"code": code, "message": message}})
+    body = wire.dumps(wire.Error(error=wire.ErrorDetail(code=code, message=message)))
     return web.Response(status=status, body=body, content_type="application/json",
                         headers=headers)
 

@@ -1,8 +1,9 @@
 """The OpenAPI 3.1 document of the REST API, generated, served at ``GET /v1/openapi.json``.
 
 Request and response schemas that cross to the guest come from the dataclasses
-in ``guest.protocol`` (one source of truth: a new field there appears here);
-the gateway's own shapes are written out below. ``tests/unit/test_openapi.py``
+in ``guest.protocol``, the gateway's own shapes from the types in ``gateway.wire``
+(one source of truth: a new field there appears here; the handlers answer those
+types, so an answer cannot carry a field its schema lacks). ``tests/unit/test_openapi.py``
 checks that every registered route is documented and every documented route is
 registered, and validates the document.
 
@@ -12,6 +13,7 @@ Register with ``app.add_routes(openapi.routes)``.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import types
 import typing
@@ -20,9 +22,9 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway import wire, wire_base
 from gateway.api import json_response
 from gateway.errors import ERROR_CODES
-from gateway.lifecycle import State
 from gateway.middleware import PUBLIC_PATHS
 from guest import protocol as p
 
@@ -40,16 +42,15 @@ def type_schema(tp: Any) -> dict[str, Any]:
         return {"type": _SIMPLE[tp]}
     if tp is Any or tp is object:
         return {}
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return {"type": "string", "enum": [m.value for m in tp]}
     if dataclasses.is_dataclass(tp):
         return {"$ref": f"#/components/schemas/{tp.__name__}"}
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Literal:
+        return {"type": _SIMPLE[type(args[0])], "enum": list(args)}
     if origin in (typing.Union, types.UnionType):
-        options = [type_schema(a) for a in args if a is not type(None)]
-        if type(None) in args:
-            options.append({"type": "null"})
-        if all(set(o) == {"type"} for o in options):
-            return {"type": [o["type"] for o in options]}
-        return {"anyOf": options}
+        return _union_schema(args)
     if origin is list:
         return {"type": "array", "items": type_schema(args[0]) if args else {}}
     if origin is dict:
@@ -57,7 +58,21 @@ def type_schema(tp: Any) -> dict[str, Any]:
     raise TypeError(f"no schema for {tp!r}")
 
 
+def _union_schema(args: tuple[Any, ...]) -> dict[str, Any]:
+    options = [type_schema(a) for a in args if a is not type(None)]
+    nullable = type(None) in args
+    if nullable and len(options) == 1 and set(options[0]) == {"type", "enum"}:
+        return {"type": [options[0]["type"], "null"], "enum": [*options[0]["enum"], None]}
+    if nullable:
+        options.append({"type": "null"})
+    if all(set(o) == {"type"} for o in options):
+        return {"type": [o["type"] for o in options]}
+    return {"anyOf": options}
+
+
 def dataclass_schema(cls: type, doc: dict[str, str] | None = None) -> dict[str, Any]:
+    if wire_base.is_wire(cls):
+        return _wire_schema(cls)
     hints = typing.get_type_hints(cls)
     props, required = {}, []
     for f in dataclasses.fields(cls):
@@ -77,10 +92,48 @@ def dataclass_schema(cls: type, doc: dict[str, str] | None = None) -> dict[str, 
     return out
 
 
-def _obj(props: dict[str, Any], required: tuple[str, ...] = (), **extra: Any) -> dict[str, Any]:
-    out = {"type": "object", "properties": props, **extra}
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` or null."""
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        return schema if "null" in kind else {**schema, "type": [*kind, "null"]}
+    if isinstance(kind, str):
+        out = {**schema, "type": [kind, "null"]}
+        if "enum" in schema:
+            out["enum"] = [*schema["enum"], None]
+        return out
+    if set(schema) == {"anyOf"}:
+        return {"anyOf": [*schema["anyOf"], {"type": "null"}]}
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _wire_schema(cls: Any) -> dict[str, Any]:
+    """A ``gateway.wire`` type's schema: its fields' types and metadata (gateway.wire_base)."""
+    opts = cls.__wire__
+    props, required = {}, []
+    for f in wire_base.fields(cls):
+        m = f.meta
+        base = wire_base.without_none(f.hint)
+        schema = dict(m["schema"]) if m["schema"] else type_schema(base)
+        for name, value in m["bounds"].items():
+            schema[name] = {**schema.get(name, {}), **value} if name == "items" else value
+        if base is not f.hint and not f.omit:  # null allowed (omitted fields: left out)
+            schema = _nullable(schema)
+        if m["description"]:
+            schema["description"] = m["description"]
+        if f.required:
+            required.append(f.wire)
+        elif opts["kind"] == wire_base.REQUEST and f.default is not None \
+                and not dataclasses.is_dataclass(f.default):
+            schema["default"] = f.default
+        props[f.wire] = schema
+    out: dict[str, Any] = {"type": "object", "properties": props}
     if required:
-        out["required"] = list(required)
+        out["required"] = required
+    if opts["extra"] is not None:
+        out["additionalProperties"] = opts["extra"]
+    if opts["description"]:
+        out["description"] = opts["description"]
     return out
 
 
@@ -88,251 +141,11 @@ def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _list_of(key: str, item: str) -> dict[str, Any]:
-    return _obj({key: {"type": "array", "items": _ref(item)}}, (key,))
-
-
-_STR, _NUM, _INT, _BOOL = ({"type": t} for t in ("string", "number", "integer", "boolean"))
-_NSTR, _NNUM = {"type": ["string", "null"]}, {"type": ["number", "null"]}
-_METADATA = {"type": "object", "description": "free-form JSON object (max 16 KiB)"}
-_RULES = {"type": "array", "maxItems": 64, "items": {"type": "string", "maxLength": 253},
-          "description": "CIDRs or addresses (IPv4/IPv6) and domain names (example.com, "
-                         "*.example.com)"}
-_EGRESS_RULES = _obj({"default": {"type": "string", "enum": ["deny", "allow"]},
-                      "allow": _RULES, "deny": _RULES}, additionalProperties=False)
-_EGRESS_IN = {"oneOf": [{"type": "string", "enum": ["deny_all", "allow_all"]}, _EGRESS_RULES],
-              "description": "egress policy: deny wins over allow, default for the rest; "
-                             "domain rules act at the sandbox's resolver (docs/security.md)"}
-_EGRESS_OUT = _obj({"default": {"type": "string", "enum": ["deny", "allow"]},
-                    "allow": _RULES, "deny": _RULES,
-                    "source": {"type": "string", "enum": ["sandbox", "host"],
-                               "description": "host: the sandbox follows the host default"}},
-                   ("source",), additionalProperties=False)
-_IDLE = {"type": "number", "minimum": 0,
-         "description": "seconds without activity before the sandbox is suspended; 0 = never"}
-
-
-# Per-sandbox resources (gateway.resources): 400 invalid_resources, 403 resource_limit.
-_SHAPE_REQUEST = {
-    "vcpus": {"type": "integer", "minimum": 1, "description": "virtual CPUs (default: the "
-              "server's [vm] vcpus); a new (vcpus, memory_mib) waits for its golden snapshot"},
-    "memory_mib": {"type": "integer", "minimum": 64,
-                   "description": "guest RAM in MiB (default: the template's)"},
-    "disk_mib": {"type": "integer", "minimum": 1, "description": "root disk size in MiB the "
-                 "guest sees (default and minimum: the template's; sparse on the host)"}}
-_TEMPLATE_SHAPE = {
-    "vcpus": {"type": "integer", "description": "default vCPUs (mem_mib: default RAM)"},
-    "disk_mib": {"type": "integer", "description": "default (and smallest) disk"},
-    **{f"max_{name}": {"type": "integer", "description": f"largest {name} a create may ask "
-                       "for (the key's limits apply too); 0 = no limit"}
-       for name in ("vcpus", "memory_mib", "disk_mib")}}
-_SHAPE_VIEW = {name: {"type": ["integer", "null"], "description": "null: made before shapes"}
-               for name in _SHAPE_REQUEST}
-
-
-def _gateway_schemas() -> dict[str, Any]:
-    sandbox = _obj({
-        "id": _STR, "state": {"type": "string", "enum": [s.value for s in State]},
-        "template": _STR, "metadata": _METADATA, "idle_timeout": _NNUM,
-        "created_at": _NUM, "updated_at": _NUM, "last_activity": _NUM,
-        "suspend_count": _INT, "restore_count": _INT, "last_suspend_ms": _NNUM,
-        "last_restore_ms": _NNUM, "failure": _NSTR, "egress": _EGRESS_OUT,
-        # lifetimes (gateway.lifetimes)
-        "expires_at": {"type": ["number", "null"], "description": "Unix time its ttl ends"},
-        "auto_delete_after": _NUM,
-        "delete_at": {"type": ["number", "null"],
-                      "description": "suspended/failed: Unix time auto_delete_after ends"},
-        **_SHAPE_VIEW,
-        # the owner's view (create, get, update; not list): gateway.preview_auth.preview_view
-        "preview_token": _STR, "public_ports": {"type": "array", "items": _INT},
-        "preview_url_template": _STR},
-        ("id", "state", "template", "metadata", "created_at"))
-    output_event = _obj({
-        "type": {"type": "string", "enum": ["start", "stdout", "stderr", "dropped", "exit"]},
-        "pid": _INT, "data": _STR, "offset": _INT, "next_offset": _INT,
-        "exit_code": {"type": ["integer", "null"]}, "timed_out": _BOOL}, ("type",),
-        description="one NDJSON line of a command's output (reattach from next_offset)")
-    run_event = _obj({
-        "type": {"type": "string", "enum": ["stdout", "stderr", "result", "error", "end"]},
-        "data": _STR, "result": _ref("Result"), "error": _ref("ExecutionError"),
-        "execution_count": _INT, "duration_ms": _NUM,
-        "files": {"type": "array", "items": _ref("OutputFile"), "description":
-                  "on `end`: files the run created or changed under /output/"}}, ("type",),
-        description="one NDJSON line of a streamed run_code")
-    return {
-        "Error": _obj({"error": _obj({"code": _ref("ErrorCode"), "message": _STR},
-                                     ("code", "message"))}, ("error",)),
-        "ErrorCode": {"type": "string", "enum": sorted(ERROR_CODES),
-                      "description": "every code an error answer can carry (the server's "
-                                     "registry, gateway.errors.ERROR_CODES); "
-                                     "x-descriptions says what each means",
-                      "x-descriptions": dict(sorted(ERROR_CODES.items()))},
-        "Sandbox": sandbox,
-        "SandboxList": {**_list_of("sandboxes", "Sandbox"), "properties": {
-            **_list_of("sandboxes", "Sandbox")["properties"],
-            "next_cursor": {"type": ["string", "null"],
-                            "description": "pass as ?cursor= for the next page; null: last"}}},
-        **_controls_schemas(),
-        "CreateSandboxRequest": _obj({
-            "template": {"type": "string", "description": "default: the server's default"},
-            "environment": {"type": "string", "description": "alias of template"},
-            "metadata": _METADATA, "idle_timeout": _IDLE, "egress": _EGRESS_IN, **_LIFETIMES,
-            **_SHAPE_REQUEST},
-            additionalProperties=False),
-        "UpdateSandboxRequest": _obj({
-            "metadata": _METADATA, "idle_timeout": _IDLE, **_LIFETIMES,
-            "public_ports": {"type": "array", "items": _INT,
-                             "description": "ports served without the preview token "
-                                            "(replaces the list)"},
-            "egress": _EGRESS_IN},
-            additionalProperties=False),
-        "Template": _obj({
-            "name": _STR, "mem_mib": _INT, "default": _BOOL, **_TEMPLATE_SHAPE,
-            "owner": {"type": "string", "enum": ["builtin", "tenant"]},
-            "source": {"type": "string", "enum": ["builtin", "snapshot", "fork", "dockerfile"]},
-            "state": {"type": "string", "enum": ["ready", "building", "failed", "deleting"]},
-            "progress": _obj({"stage": _STR, "stage_index": _INT, "stages": _INT,
-                              "elapsed_s": _NUM, "last": _STR},
-                             description="a built-in template while it builds"),
-            "error": _STR,
-            "created_at": _NUM, "size_bytes": _INT, "from_sandbox": _STR,
-            "paused_ms": {"type": "number", "description": "snapshot only: how long the "
-                          "source sandbox was paused"}}, ("name",)),
-        "Build": _obj({"id": _STR, "name": _STR,
-                       "state": {"type": "string",
-                                 "enum": ["queued", "running", "ready", "failed"]},
-                       "created_at": _NUM, "finished_at": _NNUM, "step": _INT, "steps": _INT,
-                       "cached_steps": _INT, "error": _NSTR,
-                       "template": {"type": ["object", "null"]}},
-                      ("id", "name", "state", "steps")),
-        "BuildResponse": _obj({"build": _ref("Build")}, ("build",)),
-        "BuildEvent": _obj({"type": {"type": "string", "enum": [
-            "queued", "step", "output", "step_done", "error", "done"]}, "t": _NUM},
-            ("type",), additionalProperties=True,
-            description="step: n, of, text, cached; output: n, stream, text; step_done: n, "
-                        "seconds; error: message, exit_code; done: state, template|error"),
-        "TemplateList": _list_of("templates", "Template"),
-        "SnapshotRequest": _obj({"template": {
-            "type": "string", "pattern": "^[a-z0-9][a-z0-9._-]{0,62}$",
-            "description": "the new template's name (the key's own; not a built-in's)"}},
-            ("template",), additionalProperties=False),
-        "ForkRequest": _obj({"count": {"type": "integer", "minimum": 1, "maximum": 8,
-                                       "default": 1}}, additionalProperties=False),
-
-        "Health": _obj({"status": _STR, "vmm": _STR, "accel": _STR, "accel_reason": _STR,
-                        "templates": {"type": "array", "items": _STR}}, ("status",)),
-        "Info": _obj({"version": _STR, "preview_domain": _STR, "session_domain": _STR,
-                      "preview_url_template": {"type": "string", "description":
-                                               "URL of a sandbox port, with {port} and {id}"},
-                      "session_url_template": {"type": "string",
-                                               "description": "URL of a session, with {name}"}},
-                     ("version", "preview_url_template"), additionalProperties=True),
-        "Preview": _obj({"preview_token": _STR, "preview_url_template": _STR,
-                         "public_ports": {"type": "array", "items": _INT,
-                                          "description": "ports served without a token"}},
-                        ("preview_token", "public_ports", "preview_url_template")),
-        "UpdatePreviewRequest": _obj({"public_ports": {"type": "array", "items": _INT}},
-                                     ("public_ports",), additionalProperties=False),
-        "SessionSpec": _obj({
-            "template": _STR, "port": {"type": "integer", "default": 8000, "minimum": 1,
-                                       "maximum": 65535, "description": "the app's port"},
-            "idle_timeout": _IDLE, "metadata": _METADATA,
-            "start": {"type": "string", "description": "shell command started once, in the "
-                                                       "background, when the sandbox is made"}},
-            additionalProperties=False),
-        "Session": _obj({
-            "name": _STR, "sandbox_id": _NSTR, "state": _STR, "port": _INT, "start": _NSTR,
-            "start_state": {"type": "string", "enum": ["none", "starting", "started",
-                                                       "failed"]},
-            "start_pid": {"type": ["integer", "null"]}, "start_error": _NSTR,
-            "metadata": _METADATA, "created_at": _NUM, "url": _STR, "proxy_path": _STR,
-            "preview_token": _NSTR}, ("name", "sandbox_id", "state", "port", "url")),
-        "SessionList": _list_of("sessions", "Session"),
-        **_key_schemas(),
-        "Result": _obj({"is_main_result": _BOOL, "text/plain": _STR, "text/html": _STR,
-                        "image/png": {"type": "string", "contentEncoding": "base64"},
-                        "application/json": {}}, ("is_main_result",),
-                       additionalProperties=True,
-                       description="a MIME bundle; is_main_result marks the last expression"),
-        "ContextList": _list_of("contexts", "ContextInfo"),
-        "ProcessList": _list_of("commands", "ProcessInfo"),
-        "OutputEvent": output_event,
-        "RunEvent": run_event,
-    }
-
-
-_LIFETIMES = {
-    "ttl": {"type": "number", "minimum": 0, "description": "destroy this many seconds after "
-            "create (PATCH: from now); 0 = never; default: the server's [sandbox] ttl"},
-    "auto_delete_after": {"type": "number", "minimum": 0, "description": "destroy after this "
-                          "many seconds suspended or failed; 0 = never"}}
-
-
-def _controls_schemas() -> dict[str, Any]:
-    """Usage, per-sandbox metrics and logs (gateway.usage, gateway.api_controls)."""
-    figures = {"awake_seconds": _NUM, "vcpu_seconds": _NUM, "gib_seconds": _NUM,
-               "suspended_seconds": _NUM, "snapshot_gib_hours": _NUM, "restores": _INT,
-               "created": _INT, "destroyed": _INT}
-    return {
-        "SandboxUsage": _obj({"sandbox_id": _STR, "key": _STR, **figures},
-                             ("sandbox_id", "key", *figures)),
-        "KeyUsage": _obj({"key": _STR, **figures, "sandboxes": {
-            "type": "array", "items": _ref("SandboxUsage")}}, ("key", *figures, "sandboxes")),
-        "Usage": _obj({"from": _NUM, "to": _NUM, "keys": {"type": "array",
-                                                          "items": _ref("KeyUsage")}},
-                      ("from", "to", "keys")),
-        "SandboxMetrics": _obj({
-            "sandbox_id": _STR, "state": _STR, "vmm_pid": {"type": ["integer", "null"]},
-            "source": {"type": ["string", "null"], "enum": ["cgroup", "proc", None],
-                       "description": "where cpu/memory come from; null: no VM running"},
-            "cpu_seconds": _NNUM, "memory_bytes": {"type": ["integer", "null"]},
-            "rss_bytes": {"type": ["integer", "null"]}, "disk_bytes": _INT,
-            "snapshot_bytes": _INT, "at": _NUM},
-            ("sandbox_id", "state", "disk_bytes", "at")),
-        "SandboxEvent": _obj({"at": _NUM, "from": _NSTR, "to": _STR, "event": _STR,
-                              "cause": _STR}, ("at", "to", "event")),
-        "SandboxLogs": _obj({"sandbox_id": _STR, "console": {"type": "array", "items": _STR},
-                             "truncated": _BOOL, "events": {"type": "array",
-                                                            "items": _ref("SandboxEvent")}},
-                            ("sandbox_id", "console", "events")),
-    }
-
-
-_LIMITS_DOC = {
-    "max_sandboxes": "sandboxes the key may have (any state)",
-    "max_awake": "of those holding a VM at once (creating, running, paused, restoring, suspending)",
-    "max_disk_mib": "sum of the key's sandbox directories on disk, checked at create",
-    "rate": "API requests per second (token bucket)", "burst": "bucket size",
-    "max_vcpus": "vcpus one sandbox may ask for (also capped per template)",
-    "max_memory_mib": "memory_mib one sandbox may ask for (also capped per template)",
-    "max_sandbox_disk_mib": "disk_mib one sandbox may ask for (also capped per template)"}
-
-
-def _key_schemas() -> dict[str, Any]:
-    """Keys and their limits (gateway.api_keys, gateway.quotas); 0 = no limit."""
-    def limits(nullable: bool) -> dict[str, Any]:
-        props = {name: {"type": ["number" if name == "rate" else "integer"]
-                        + (["null"] if nullable else []), "minimum": 1 if name == "burst"
-                        else 0, "description": desc} for name, desc in _LIMITS_DOC.items()}
-        return _obj(props, additionalProperties=False)
-    key = {"id": _STR, "name": _STR, "admin": _BOOL, "created_at": _NUM, "revoked": _BOOL,
-           "limits": _ref("KeyLimits"),
-           "overrides": {**limits(False), "description": "this key's own values"}}
-    required = ("id", "name", "admin", "limits")
-    return {
-        "KeyLimits": {**limits(False), "description": "effective limits; 0 = no limit"},
-        "KeyLimitsUpdate": {**limits(True), "description": "null = back to the default"},
-        "CreateKeyRequest": _obj({"name": _STR, "admin": _BOOL,
-                                  "limits": _ref("KeyLimitsUpdate")}, ("name",),
-                                 additionalProperties=False),
-        "UpdateKeyRequest": _obj({"limits": _ref("KeyLimitsUpdate")},
-                                 additionalProperties=False),
-        "Key": _obj(key, required),
-        "KeyList": _list_of("keys", "Key"),
-        "CreatedKey": _obj({**key, "key": {"type": "string",
-                                           "description": "the secret, shown only once"}},
-                           (*required, "key")),
-    }
+def _error_code() -> dict[str, Any]:
+    return {"type": "string", "enum": sorted(ERROR_CODES),
+            "description": "every code an error answer can carry (the server's registry, "
+                           "gateway.errors.ERROR_CODES); x-descriptions says what each means",
+            "x-descriptions": dict(sorted(ERROR_CODES.items()))}
 
 
 _PROTOCOL = (p.ExecRequest, p.ExecResult, p.OutputFile, p.FileInfo, p.DirListing, p.RunCodeRequest,
@@ -345,7 +158,8 @@ def _schemas() -> dict[str, Any]:
     execution = dataclass_schema(p.Execution)
     execution["properties"]["results"] = {"type": "array", "items": _ref("Result")}
     schemas["Execution"] = execution
-    schemas.update(_gateway_schemas())
+    schemas["ErrorCode"] = _error_code()
+    schemas.update({cls.__name__: dataclass_schema(cls) for cls in wire.SCHEMAS})
     return schemas
 
 

@@ -29,12 +29,11 @@ from dataclasses import dataclass
 from aiohttp import web
 from aiohttp.web_urldispatcher import AbstractRuleMatching, MatchedSubAppResource
 
-from gateway import browser_rules, info, sessions
+from gateway import browser_rules, info, sessions, wire
 from gateway.api import SERVICE_KEY, json_response, read_json
 from gateway.config import Config
 from gateway.errors import (
     ApiError,
-    BadRequest,
     Forbidden,
     NotFound,
     SandboxNotFound,
@@ -224,11 +223,9 @@ async def get_preview(request: web.Request) -> web.Response:
 
 @routes.patch("/v1/sandboxes/{id}/preview")
 async def update_preview(request: web.Request) -> web.Response:
-    body = await read_json(request)
-    if not isinstance(body, dict) or set(body) != {"public_ports"}:
-        raise BadRequest('the body must be {"public_ports": [PORT, ...]}')
+    req = wire.parse(wire.UpdatePreviewRequest, await read_json(request))
     sandbox_id = _owned(request)
-    ports = validate_public_ports(body["public_ports"])
+    ports = validate_public_ports(req.public_ports)
     request.config_dict[ACCESS_KEY].set_public_ports(sandbox_id, ports)
     return json_response(preview_view(request, sandbox_id))
 

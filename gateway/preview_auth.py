@@ -41,6 +41,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway import wire
 from gateway.errors import BadRequest, Forbidden
 from gateway.info import SERVER_KEY, url_templates
 from gateway.registry import Registry
@@ -184,10 +185,10 @@ class AccessStore:
 ACCESS_KEY = web.AppKey("preview_access", AccessStore)
 
 
-def preview_view(request: web.Request, sandbox_id: str) -> dict[str, Any]:
+def preview_view(request: web.Request, sandbox_id: str) -> wire.Preview:
     """A sandbox's preview fields, for its owner only (callers check ownership): the
     token, public ports and its URL template (``{port}`` left to fill in)."""
     access = request.config_dict[ACCESS_KEY].get(sandbox_id)
     template = url_templates(request.config_dict[SERVER_KEY])[0]
-    return {"preview_token": access.token, "public_ports": sorted(access.public_ports),
-            "preview_url_template": template.replace("{id}", sandbox_id)}
+    return wire.Preview(preview_token=access.token, public_ports=sorted(access.public_ports),
+                        preview_url_template=template.replace("{id}", sandbox_id))

@@ -104,24 +104,11 @@ class ResourcesConfig:
 
 
 def template_view(golden: Any, limits: ResourceLimits) -> dict[str, Any]:
-    """``GET /v1/templates``: a template's default shape and its per-sandbox limits."""
+    """``GET /v1/templates``: a template's default shape and its per-sandbox limits (fields
+    of ``gateway.wire.Template``)."""
     return {"vcpus": golden.vcpus, "disk_mib": golden.disk_mib,
             "max_vcpus": limits.max_vcpus, "max_memory_mib": limits.max_memory_mib,
             "max_disk_mib": limits.max_disk_mib}
-
-
-def split_request(body: Any) -> tuple[ShapeRequest, Any]:
-    """The shape fields of a create body, and the body without them."""
-    if not isinstance(body, dict):
-        return ShapeRequest(), body
-    values = {}
-    for name in FIELDS:
-        value = body.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise BadRequest(f"'{name}' must be an integer", code="invalid_type")
-        values[name] = value
-    rest = {k: v for k, v in body.items() if k not in FIELDS}
-    return ShapeRequest(**values), rest
 
 
 def resolve(request: ShapeRequest, default: Shape, template: ResourceLimits,

@@ -441,14 +441,6 @@ def tree_bytes(root: Path) -> int:
     return total
 
 
-def parse_seconds(value: Any, name: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise BadRequest(f"'{name}' must be a number of seconds >= 0 (0 = never)")
-    return float(value)
-
-
 def parse_metadata(value: Any) -> dict[str, Any] | None:
     if value is None:
         return None
@@ -457,30 +449,3 @@ def parse_metadata(value: Any) -> dict[str, Any] | None:
     if len(repr(value)) > MAX_METADATA_BYTES:
         raise BadRequest(f"'metadata' must be under {MAX_METADATA_BYTES} bytes")
     return value
-
-
-def parse_object(body: Any, allowed: set[str]) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    unknown = set(body) - allowed
-    if unknown:
-        raise BadRequest(f"unknown field(s): {', '.join(sorted(unknown))}")
-    return body
-
-
-def validate_create(body: Any) -> tuple[str | None, dict[str, Any], float | None]:
-    body = parse_object(body, {"template", "environment", "metadata", "idle_timeout", "egress",
-                               *lifetimes.FIELDS})
-    template = body.get("template", body.get("environment"))
-    if template is not None and (not isinstance(template, str) or not template):
-        raise BadRequest("'template' must be a non-empty string")
-    metadata = parse_metadata(body.get("metadata")) or {}
-    return template, metadata, parse_seconds(body.get("idle_timeout"), "idle_timeout")
-
-
-def validate_update(body: Any) -> tuple[float | None, dict[str, Any] | None]:
-    # "public_ports" is validated and applied by gateway.preview_auth.
-    body = parse_object(body, {"metadata", "idle_timeout", "public_ports", "egress",
-                               *lifetimes.FIELDS})
-    idle = parse_seconds(body.get("idle_timeout"), "idle_timeout")
-    return idle, parse_metadata(body.get("metadata"))

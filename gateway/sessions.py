@@ -34,6 +34,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway import wire
 from gateway.api import json_response, read_json
 from gateway.errors import BadRequest, Conflict, NotFound, SandboxNotFound
 from gateway.lifecycle import State
@@ -41,7 +42,7 @@ from gateway.middleware import current_key
 from gateway.preview_auth import ACCESS_KEY, COOKIE, TOKEN_HEADER, require_previewable
 from gateway.proxy import PROXY_KEY, Target, deferred_expect
 from gateway.registry import Registry
-from gateway.sandboxes import SandboxService, parse_metadata, parse_object, parse_seconds
+from gateway.sandboxes import SandboxService, parse_metadata
 from guest.protocol import AGENT_PORT, CommandRequest
 from vmctl import agent_interp
 
@@ -93,19 +94,12 @@ def validate_name(name: str, reserve_preview_labels: bool = False) -> str:
 
 
 def validate_spec(body: Any) -> SessionSpec:
-    body = parse_object(body, {"template", "port", "idle_timeout", "start", "metadata"})
-    port, template, start = body.get("port", 8000), body.get("template"), body.get("start")
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-        raise BadRequest("'port' must be a port number (1-65535)")
-    if port == AGENT_PORT:
+    req = wire.parse(wire.SessionSpec, body)
+    if req.port == AGENT_PORT:
         raise BadRequest(f"port {AGENT_PORT} is the guest agent's and cannot be a session's "
                          "port", code="port_reserved")
-    if template is not None and (not isinstance(template, str) or not template):
-        raise BadRequest("'template' must be a non-empty string")
-    if start is not None and (not isinstance(start, str) or not start.strip()):
-        raise BadRequest("'start' must be a non-empty shell command")
-    idle = parse_seconds(body.get("idle_timeout"), "idle_timeout")
-    return SessionSpec(template, port, idle, start, parse_metadata(body.get("metadata")) or {})
+    return SessionSpec(req.template, req.port, req.idle_timeout, req.start,
+                       parse_metadata(req.metadata) or {})
 
 
 class SessionService:
@@ -221,20 +215,21 @@ def _sessions(request: web.Request) -> SessionService:
     return request.config_dict[SESSIONS_KEY]
 
 
-def session_view(request: web.Request, session: Session) -> dict[str, Any]:
+def session_view(request: web.Request, session: Session) -> wire.Session:
     from gateway.info import SERVER_KEY, url_templates
 
     state = _sessions(request).sandbox_state(session)
     template = url_templates(request.config_dict[SERVER_KEY])[1]
     token = (request.config_dict[ACCESS_KEY].get(session.sandbox_id).token
              if session.sandbox_id else None)
-    return {"name": session.name, "sandbox_id": session.sandbox_id,
-            "state": state.value if state else "creating", "port": session.port,
-            "start": session.start, "start_state": session.start_state,
-            "start_pid": session.start_pid, "start_error": session.start_error,
-            "metadata": session.metadata, "created_at": session.created_at,
-            "url": template.replace("{name}", session.name),
-            "proxy_path": f"/v1/sessions/{session.name}/proxy/", "preview_token": token}
+    return wire.Session(
+        name=session.name, sandbox_id=session.sandbox_id,
+        state=state.value if state else "creating", port=session.port,
+        start=session.start, start_state=session.start_state,  # type: ignore[arg-type]
+        start_pid=session.start_pid, start_error=session.start_error,
+        metadata=session.metadata, created_at=session.created_at,
+        url=template.replace("{name}", session.name),
+        proxy_path=f"/v1/sessions/{session.name}/proxy/", preview_token=token)
 
 
 @routes.put("/v1/sessions/{name}")
@@ -248,7 +243,7 @@ async def put_session(request: web.Request) -> web.Response:
 @routes.get("/v1/sessions")
 async def list_sessions(request: web.Request) -> web.Response:
     found = _sessions(request).list(current_key(request).id)
-    return json_response({"sessions": [session_view(request, s) for s in found]})
+    return json_response(wire.SessionList(sessions=[session_view(request, s) for s in found]))
 
 
 @routes.get("/v1/sessions/{name}")

@@ -18,13 +18,14 @@ cannot be created, the others are destroyed and the error is raised.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
-from gateway import quotas
+from gateway import quotas, wire
 from gateway.errors import BadRequest, Conflict, QuotaExceeded, Unavailable
 from gateway.lifecycle import State
 from gateway.registry import SandboxRecord
@@ -38,7 +39,8 @@ MAX_FORKS = 8  # sandboxes one fork request may make
 _locks: dict[str, asyncio.Lock] = {}
 
 
-async def snapshot(svc: SandboxService, tenant: str, sandbox_id: str, name: Any) -> dict[str, Any]:
+async def snapshot(svc: SandboxService, tenant: str, sandbox_id: str,
+                   name: Any) -> wire.Template:
     """Save the sandbox as ``tenant``'s template ``name``; returns its view."""
     name = validate_name(name)
     svc.templates.check_new(tenant, name)
@@ -48,7 +50,7 @@ async def snapshot(svc: SandboxService, tenant: str, sandbox_id: str, name: Any)
                              template_id=template_id, meta={"from_sandbox": rec.id})
     log.info("sandbox %s saved as template %s of %s (paused %.0f ms)", rec.id, name, tenant,
              paused_ms)
-    return view | {"paused_ms": round(paused_ms, 1)}
+    return dataclasses.replace(view, paused_ms=round(paused_ms, 1))
 
 
 async def fork(svc: SandboxService, tenant: str, sandbox_id: str,

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway import wire
 from gateway.errors import Conflict, TemplateNotFound, Unavailable
 from gateway.lifecycle import State
 from gateway.registry import Registry
@@ -78,16 +79,19 @@ class Template:
     size_bytes: int = 0
     meta: dict[str, Any] = field(default_factory=dict, hash=False)
 
-    def view(self, default: str = "") -> dict[str, Any]:
+    def view(self, default: str = "") -> wire.Template:
         """The API's Template object (no host paths)."""
-        out: dict[str, Any] = {"name": self.name, "source": self.source.value,
-                               "state": self.state.value, "owner": "tenant" if self.tenant
-                               else "builtin", "default": bool(default) and self.name == default
-                               and not self.tenant, "created_at": self.created_at,
-                               "size_bytes": self.size_bytes}
-        out.update({k: v for k, v in self.meta.items() if k in ("mem_mib", "progress",
-                                                                  "from_sandbox")})
-        return out
+        progress = self.meta.get("progress")
+        if isinstance(progress, str):  # a progress line (TemplateCatalog.building)
+            progress = wire.TemplateProgress(last=progress)
+        return wire.Template(
+            name=self.name, source=self.source.value,  # type: ignore[arg-type]
+            state=self.state.value,  # type: ignore[arg-type]
+            owner="tenant" if self.tenant else "builtin",
+            default=bool(default) and self.name == default and not self.tenant,
+            created_at=self.created_at, size_bytes=self.size_bytes,
+            mem_mib=self.meta.get("mem_mib"), progress=progress,
+            from_sandbox=self.meta.get("from_sandbox"))
 
 
 def validate_name(name: object) -> str:
@@ -181,7 +185,7 @@ class TemplateCatalog:
 
     def add(self, tenant: str, name: str, golden_dir: Path, source: str | Source,
             parent: Path | None = None, template_id: str | None = None,
-            meta: dict[str, Any] | None = None) -> dict[str, Any]:
+            meta: dict[str, Any] | None = None) -> wire.Template:
         """Register a complete golden directory as ``tenant``'s template ``name``."""
         src = Source(source)
         if src is not Source.FORK:

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from gateway import build_proxy, builder_vm, builtin_builds
+from gateway import build_proxy, builder_vm, builtin_builds, wire
 from gateway.builds import Build, BuildState, as_user
 from gateway.errors import ERROR_CODES, Unavailable
 from images import dockerfile as df
@@ -110,7 +110,7 @@ def test_build_transitions_and_log_follow():
         return await asyncio.wait_for(task, 5)
 
     assert asyncio.run(scenario()) == ["step", "step_done", "done"]
-    assert b.view()["state"] == "failed" and b.view()["steps"] == 2
+    assert b.view().state == "failed" and b.view().steps == 2
 
 
 def test_as_user():
@@ -141,7 +141,7 @@ async def test_background_builtins_answer_503_with_retry_after_then_serve(monkey
         bb.check("node")
     assert info.value.code == "template_building" and info.value.status == 503
     assert info.value.headers == {"Retry-After": "30"} and "packages" in str(info.value)
-    views = {v["name"]: v for v in bb.views()}
+    views = {v["name"]: v for v in map(wire.encode, bb.views())}
     assert views["node"]["state"] == "building"
     assert views["node"]["progress"]["stage"] == "packages"
     assert views["minimal"]["progress"]["stage"] == "queued"
@@ -163,7 +163,8 @@ async def test_a_failed_background_build_is_listed_and_answers_its_own_code(monk
     bb = builtin_builds.BuiltinBuilds(["node"], None, None, None, lambda n, g: None)
     bb.start()
     await asyncio.sleep(0.05)
-    assert bb.views() == [{"name": "node", "state": "failed", "error": "debootstrap exploded"}]
+    assert wire.encode(bb.views()) == [
+        {"name": "node", "state": "failed", "error": "debootstrap exploded"}]
     with pytest.raises(Unavailable) as info:
         bb.check("node")
     assert info.value.code == "template_build_failed"

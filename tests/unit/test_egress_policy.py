@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway import wire
 from gateway.egress_api import egress_view, parse_egress, policy_of
 from gateway.errors import BadRequest
 from vmctl import dnsfwd, dnsmsg
@@ -65,9 +66,10 @@ def test_bad_policies_are_400_invalid_egress(value, message):
 def test_a_sandbox_without_a_policy_follows_the_host_default():
     assert policy_of(None, CFG) == CFG.egress_policy() == EgressPolicy()
     host = NetworkConfig(allow_egress=True, egress_allow=("10.98.0.0/16",))
-    assert egress_view(None, host) == {"default": "allow", "allow": ["10.98.0.0/16"],
-                                       "deny": [], "source": "host"}
-    assert egress_view({"default": "deny", "allow": [], "deny": []})["source"] == "sandbox"
+    assert wire.encode(egress_view(None, host)) == {
+        "default": "allow", "allow": ["10.98.0.0/16"], "deny": [], "source": "host"}
+    assert egress_view({"default": "deny", "allow": [], "deny": []}).source == "sandbox"
+    assert wire.encode(egress_view(None)) == {"source": "host"}  # omitted, not null
 
 
 # --- the policy model ------------------------------------------------------------------------

@@ -88,7 +88,9 @@ def test_registry_holds_every_code_the_server_sends_and_no_other():
 def test_openapi_exports_the_registry():
     schemas = openapi.build_document()["components"]["schemas"]
     assert schemas["ErrorCode"]["enum"] == sorted(ERROR_CODES)
-    assert schemas["Error"]["properties"]["error"]["properties"]["code"] == {
+    assert schemas["Error"]["properties"]["error"] == {
+        "$ref": "#/components/schemas/ErrorDetail"}
+    assert schemas["ErrorDetail"]["properties"]["code"] == {
         "$ref": "#/components/schemas/ErrorCode"}
 
 

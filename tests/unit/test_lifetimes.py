@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from gateway import lifetimes
+from gateway import lifetimes, wire
 from gateway.config import Config, SandboxConfig, ServerConfig
 from gateway.errors import BadRequest
 from gateway.lifecycle import Event, State
@@ -64,9 +64,10 @@ def test_create_and_patch_fields_defaults_and_bounds():
         with pytest.raises(BadRequest):
             lifetimes.at_create(lifetimes.Lifetimes(ttl=ttl), capped, 0.0)
     for body in ({"ttl": -1}, {"ttl": "10"}, {"ttl": True}, {"auto_delete_after": 1e12}):
-        with pytest.raises(BadRequest):
-            lifetimes.parse(body)
-    assert lifetimes.parse({"ttl": 5, "other": 1}) == lifetimes.Lifetimes(5.0, None)
+        with pytest.raises(BadRequest, match="must be a number of seconds from 0 to"):
+            wire.parse(wire.UpdateSandboxRequest, body)
+    req = wire.parse(wire.CreateSandboxRequest, {"ttl": 5})
+    assert (req.ttl, req.auto_delete_after) == (5.0, None)
     with pytest.raises(ValueError):
         SandboxConfig(ttl=200, max_ttl=100)
 

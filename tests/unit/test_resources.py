@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from gateway import wire
 from gateway.config import ConfigError, load
 from gateway.errors import BadRequest, Forbidden, QuotaExceeded
 from gateway.quotas import Limits, Usage, check_create, parse_overrides
@@ -19,7 +20,6 @@ from gateway.resources import (
     Shape,
     ShapeRequest,
     resolve,
-    split_request,
 )
 from vmctl.disk_grow import grow_command
 from vmctl.golden import _mem_from_name, _vcpus_from_name, golden_dir
@@ -67,16 +67,24 @@ def test_the_key_limit_applies_too_and_the_default_always_passes():
 
 
 @pytest.mark.parametrize("body", [{"vcpus": "2"}, {"memory_mib": 1.5}, {"disk_mib": True}])
-def test_split_request_wants_integers(body):
+def test_a_create_wants_integers(body):
     with pytest.raises(BadRequest) as err:
-        split_request(body)
+        wire.parse(wire.CreateSandboxRequest, body)
     assert err.value.code == "invalid_type"
 
 
-def test_split_request_leaves_the_rest_to_validate_create():
-    req, rest = split_request({"template": "python", "vcpus": 2, "disk_mib": None})
-    assert req == ShapeRequest(vcpus=2)
-    assert rest == {"template": "python"}
+@pytest.mark.parametrize("body", [{"vcpus": 0}, {"memory_mib": 32}, {"disk_mib": 0}])
+def test_a_create_under_the_schemas_minimum_is_invalid_resources(body):
+    with pytest.raises(BadRequest) as err:
+        wire.parse(wire.CreateSandboxRequest, body)
+    assert err.value.code == "invalid_resources"
+
+
+def test_a_create_parses_its_shape():
+    req = wire.parse(wire.CreateSandboxRequest, {"template": "python", "vcpus": 2,
+                                                 "disk_mib": None})
+    assert (req.vcpus, req.memory_mib, req.disk_mib) == (2, None, None)
+    assert req.template == "python"
 
 
 def test_config_per_template_overrides(tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway import wire
 from gateway.errors import BadRequest, Conflict, TemplateNotFound, Unavailable
 from gateway.lifecycle import Event, State
 from gateway.registry import Registry, SandboxRecord
@@ -163,8 +164,9 @@ def test_building_builtins_answer_503_and_are_listed(env) -> None:
     with pytest.raises(Unavailable) as exc:
         catalog.resolve("key_a", "node")
     assert exc.value.code == "template_building"
-    views = {t.name: t.view("python") for t in catalog.list("key_a")}
-    assert views["node"]["state"] == "building" and views["node"]["progress"] == "step 3/7"
+    views = {t.name: wire.encode(t.view("python")) for t in catalog.list("key_a")}
+    assert views["node"]["state"] == "building"
+    assert views["node"]["progress"]["last"] == "step 3/7"
     assert views["python"]["default"] is True and "golden_dir" not in views["python"]
 
 
