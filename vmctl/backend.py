@@ -94,6 +94,9 @@ class VMConfig:
     # golden (vmctl.memdiff; a wake then rebuilds it first); 0 = right after the suspend,
     # negative = never. QEMU only.
     compact_after: float = 600.0
+    # A wake starts the VMM while the snapshot is rebuilt (compact) and verified, and hands
+    # it the state once both are done (Machine.wake); false: one after the other.
+    overlap_restore: bool = True
     network: NetworkConfig = field(default_factory=NetworkConfig)
     firecracker: FirecrackerConfig = field(default_factory=FirecrackerConfig)
     confine: ConfineConfig = field(default_factory=ConfineConfig)

@@ -3,10 +3,12 @@ from its golden snapshot's.
 
 A QEMU sandbox's RAM file starts as a copy of the golden memory file and the
 guest dirties a small part of it, so a suspended sandbox that ran a few commands
-needs only those pages on disk. ``compact`` writes them to a diff file; ``expand``
+needs only those pages on disk. ``compact`` writes them to a diff file; a wake
 rebuilds the RAM file from the golden file (a reflink where the filesystem has
-them, else a sparse copy: that copy is what a wake from a compact snapshot pays)
-plus the diff.
+them, else a copy of its data extents: that copy is what a wake from a compact
+snapshot pays) plus the diff. The rebuild is in place, in two steps, so that a
+VMM can start meanwhile: ``prepare`` empties and sizes the file at its final path
+(before the VMM maps it), ``rebuild`` writes it; ``expand`` does both.
 
 Diff file format (little-endian)::
 
@@ -19,9 +21,9 @@ data is stored like any other differing page.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import struct
-import subprocess
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ PAGE = 4096
 _HEADER = struct.Struct("<8sIQQ")
 _BLOCK = 1 << 20  # compared whole first; pages only inside blocks that differ
 _ZERO_BLOCK = bytes(_BLOCK)
+_FICLONE = 0x40049409  # ioctl: share all of a file's extents (a reflink)
 
 
 class DiffError(Exception):
@@ -128,40 +131,103 @@ def read_header(diff: Path) -> tuple[int, int]:
         return size, count
 
 
-def expand(diff: Path, golden: Path, out: Path) -> None:
-    """Rebuild the RAM file ``out`` (atomically; mode 0600) from ``golden`` and ``diff``."""
+def prepare(golden: Path, out: Path) -> bool:
+    """Make ``out`` the RAM file a rebuild writes into, at its final path: emptied first
+    (a crash mid-rebuild leaves junk, so every rebuild starts from scratch), then a reflink
+    of ``golden`` where the filesystem has them, else ``golden``'s size of holes; mode 0600.
+    Returns True if it is a reflink (``rebuild`` then copies nothing from the golden).
+
+    Done before a VMM maps the file (QEMU maps its RAM file when it starts), so that the
+    rebuild can proceed in place while the VMM starts."""
+    size = golden.stat().st_size
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        gfd = os.open(golden, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fcntl.ioctl(fd, _FICLONE, gfd)
+            cloned = True
+        except OSError:  # no reflinks here (ext4), or another filesystem
+            cloned = False
+        finally:
+            os.close(gfd)
+        if not cloned:
+            os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    return cloned
+
+
+def rebuild(diff: Path, golden: Path, out: Path, cloned: bool = False) -> None:
+    """Rebuild the RAM file ``out`` in place (``prepare`` made it) from ``golden`` and
+    ``diff``: the golden's data extents (unless ``cloned``), then the diff's pages. The
+    writes go through the page cache, so a VMM that has the file mapped shared sees them;
+    the caller fsyncs. Not atomic: ``out`` is usable only once this returns."""
     size, count = read_header(diff)
     if golden.stat().st_size != size:
         raise DiffError(f"diff is for {size} bytes of RAM, the golden has {golden.stat().st_size}")
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.unlink(missing_ok=True)
+    fd = os.open(out, os.O_WRONLY | os.O_CLOEXEC)
     try:
-        # cp: a reflink where the filesystem can (no data copied), else only the data blocks.
-        proc = subprocess.run(["cp", "--reflink=auto", "--sparse=always", str(golden), str(tmp)],
-                              capture_output=True, check=False)
-        if proc.returncode != 0:
-            raise DiffError(f"copying the golden memory failed: {proc.stderr.decode().strip()}")
-        os.chmod(tmp, 0o600)
-        with open(diff, "rb") as d:
-            d.seek(_HEADER.size + count * PAGE)
-            index = struct.unpack(f"<{count}I", d.read(4 * count))
-            d.seek(_HEADER.size)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
+        if os.fstat(fd).st_size != size:
+            raise DiffError(f"{out.name} is {os.fstat(fd).st_size} bytes, not {size}")
+        if not cloned:
+            gfd = os.open(golden, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                # Runs of consecutive pages go out in one write.
-                i = 0
-                while i < count:
-                    j = i + 1
-                    while j < count and index[j] == index[j - 1] + 1 and j - i < 256:
-                        j += 1
-                    data = d.read((j - i) * PAGE)
-                    if len(data) != (j - i) * PAGE:
-                        raise DiffError(f"{diff.name} is truncated")
-                    os.pwrite(fd, data, index[i] * PAGE)
-                    i = j
+                for start, end in _data_ranges(gfd, size):
+                    _copy_range(gfd, fd, start, end - start)
             finally:
-                os.close(fd)
+                os.close(gfd)
+        _apply(diff, count, fd)
+    finally:
+        os.close(fd)
+
+
+def expand(diff: Path, golden: Path, out: Path) -> None:
+    """Rebuild the RAM file ``out`` (in place; mode 0600) from ``golden`` and ``diff``;
+    on failure ``out`` is removed."""
+    size, _ = read_header(diff)  # not a diff (or not this golden's): fail before ``out``
+    if golden.stat().st_size != size:
+        raise DiffError(f"diff is for {size} bytes of RAM, the golden has {golden.stat().st_size}")
+    try:
+        rebuild(diff, golden, out, prepare(golden, out))
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        out.unlink(missing_ok=True)
         raise
-    os.replace(tmp, out)
+
+
+def _copy_range(src: int, dst: int, off: int, n: int) -> None:
+    """Copy ``n`` bytes at ``off`` (same offset in both): in the kernel where it can
+    (copy_file_range), else through a buffer."""
+    end = off + n
+    while off < end:
+        try:
+            done = os.copy_file_range(src, dst, min(end - off, 1 << 30), off, off)
+        except OSError:  # EXDEV (older kernels), EINVAL, ENOSYS: copy it ourselves
+            done = 0
+        if done == 0:
+            break
+        off += done
+    while off < end:
+        data = os.pread(src, min(end - off, _BLOCK), off)
+        if not data:
+            raise DiffError("the golden memory file is shorter than it was")
+        os.pwrite(dst, data, off)
+        off += len(data)
+
+
+def _apply(diff: Path, count: int, fd: int) -> None:
+    with open(diff, "rb") as d:
+        d.seek(_HEADER.size + count * PAGE)
+        index = struct.unpack(f"<{count}I", d.read(4 * count))
+        d.seek(_HEADER.size)
+        # Runs of consecutive pages go out in one write.
+        i = 0
+        while i < count:
+            j = i + 1
+            while j < count and index[j] == index[j - 1] + 1 and j - i < 256:
+                j += 1
+            data = d.read((j - i) * PAGE)
+            if len(data) != (j - i) * PAGE:
+                raise DiffError(f"{diff.name} is truncated")
+            os.pwrite(fd, data, index[i] * PAGE)
+            i = j
