@@ -21,7 +21,9 @@ data is stored like any other differing page.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
+import functools
 import os
 import struct
 import threading
@@ -33,6 +35,9 @@ PAGE = 4096
 _HEADER = struct.Struct("<8sIQQ")
 _BLOCK = 1 << 20  # compared whole first; pages only inside blocks that differ
 _ZERO_BLOCK = bytes(_BLOCK)
+_ZERO_PAGE = bytes(PAGE)
+_SYNC_FILE_RANGE_WRITE = 2
+_WRITEBACK = 8 << 20
 _FICLONE = 0x40049409  # ioctl: share all of a file's extents (a reflink)
 
 
@@ -114,6 +119,7 @@ def compact(memory: Path, golden: Path, out: Path,
         os.close(mfd)
         os.close(gfd)
     os.replace(tmp, out)
+    golden_runs(golden)  # computed here, in the background, for the wake that rebuilds it
     return DiffStats(size, len(pages), out.stat().st_size)
 
 
@@ -160,9 +166,11 @@ def prepare(golden: Path, out: Path) -> bool:
 
 def rebuild(diff: Path, golden: Path, out: Path, cloned: bool = False) -> None:
     """Rebuild the RAM file ``out`` in place (``prepare`` made it) from ``golden`` and
-    ``diff``: the golden's data extents (unless ``cloned``), then the diff's pages. The
-    writes go through the page cache, so a VMM that has the file mapped shared sees them;
-    the caller fsyncs. Not atomic: ``out`` is usable only once this returns."""
+    ``diff``: the golden's non-zero pages (unless ``cloned``; zero pages stay holes), then
+    the diff's pages, copied in the kernel. The writes go through the page cache, so a VMM
+    that has the file mapped shared sees them; the caller fsyncs (writeback is started as
+    the copy goes: the disk, not the copy, is what a rebuild waits for). Not atomic:
+    ``out`` is usable only once this returns."""
     size, count = read_header(diff)
     if golden.stat().st_size != size:
         raise DiffError(f"diff is for {size} bytes of RAM, the golden has {golden.stat().st_size}")
@@ -170,16 +178,74 @@ def rebuild(diff: Path, golden: Path, out: Path, cloned: bool = False) -> None:
     try:
         if os.fstat(fd).st_size != size:
             raise DiffError(f"{out.name} is {os.fstat(fd).st_size} bytes, not {size}")
+        index = _read_index(diff, count, size)
         if not cloned:
             gfd = os.open(golden, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                for start, end in _data_ranges(gfd, size):
-                    _copy_range(gfd, fd, start, end - start)
+                since = 0  # writeback is started every _WRITEBACK bytes, as the copy goes
+                for start, end in golden_runs(golden):
+                    _copy_range(gfd, fd, start, start, end - start)
+                    if end - since >= _WRITEBACK:
+                        _start_writeback(fd, since, end - since)
+                        since = end
             finally:
                 os.close(gfd)
-        _apply(diff, count, fd)
+        _apply(diff, index, fd)
     finally:
         os.close(fd)
+
+
+_runs: dict[tuple[str, int, int, int], list[tuple[int, int]]] = {}
+
+
+def golden_runs(golden: Path) -> list[tuple[int, int]]:
+    """(start, end) byte ranges of a golden memory file's non-zero pages. A golden file
+    never changes, so this is computed once per (path, inode, size, mtime): ``compact``
+    computes it in the background, so a wake finds it ready."""
+    st = golden.stat()
+    key = (str(golden), st.st_ino, st.st_size, st.st_mtime_ns)
+    runs = _runs.get(key)
+    if runs is not None:
+        return runs
+    runs = []
+    fd = os.open(golden, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for start, end in _data_ranges(fd, st.st_size):
+            for block in range(start, end, _BLOCK):
+                data = memoryview(_read(fd, block, min(_BLOCK, end - block)))
+                if data == _ZERO_BLOCK[:len(data)]:
+                    continue
+                for p in range(0, len(data), PAGE):
+                    if data[p:p + PAGE] == _ZERO_PAGE[:len(data) - p]:
+                        continue
+                    at = block + p
+                    if runs and runs[-1][1] == at:
+                        runs[-1] = (runs[-1][0], at + min(PAGE, len(data) - p))
+                    else:
+                        runs.append((at, at + min(PAGE, len(data) - p)))
+    finally:
+        os.close(fd)
+    _runs[key] = runs
+    return runs
+
+
+def _start_writeback(fd: int, off: int = 0, n: int = 0) -> None:
+    """Start writing dirty pages (``n`` = 0: to the end) to disk without waiting for them
+    (sync_file_range), so the disk works while we copy and the caller's fsync has less
+    left to wait for; best effort."""
+    libc = _libc()
+    if libc is not None:
+        libc.sync_file_range(fd, ctypes.c_int64(off), ctypes.c_int64(n), _SYNC_FILE_RANGE_WRITE)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.sync_file_range  # noqa: B018 - present on Linux
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 def expand(diff: Path, golden: Path, out: Path) -> None:
@@ -195,39 +261,50 @@ def expand(diff: Path, golden: Path, out: Path) -> None:
         raise
 
 
-def _copy_range(src: int, dst: int, off: int, n: int) -> None:
-    """Copy ``n`` bytes at ``off`` (same offset in both): in the kernel where it can
+def _copy_range(src: int, dst: int, src_off: int, dst_off: int, n: int) -> None:
+    """Copy ``n`` bytes from ``src_off`` to ``dst_off``: in the kernel where it can
     (copy_file_range), else through a buffer."""
-    end = off + n
-    while off < end:
+    while n > 0:
         try:
-            done = os.copy_file_range(src, dst, min(end - off, 1 << 30), off, off)
+            done = os.copy_file_range(src, dst, min(n, 1 << 30), src_off, dst_off)
         except OSError:  # EXDEV (older kernels), EINVAL, ENOSYS: copy it ourselves
-            done = 0
+            break
         if done == 0:
             break
-        off += done
-    while off < end:
-        data = os.pread(src, min(end - off, _BLOCK), off)
+        src_off, dst_off, n = src_off + done, dst_off + done, n - done
+    while n > 0:
+        data = os.pread(src, min(n, _BLOCK), src_off)
         if not data:
-            raise DiffError("the golden memory file is shorter than it was")
-        os.pwrite(dst, data, off)
-        off += len(data)
+            raise DiffError("a file being copied is shorter than it was")
+        os.pwrite(dst, data, dst_off)
+        src_off, dst_off, n = src_off + len(data), dst_off + len(data), n - len(data)
 
 
-def _apply(diff: Path, count: int, fd: int) -> None:
+def _read_index(diff: Path, count: int, size: int) -> tuple[int, ...]:
+    """The diff's page numbers, checked: ascending and inside the RAM."""
     with open(diff, "rb") as d:
         d.seek(_HEADER.size + count * PAGE)
-        index = struct.unpack(f"<{count}I", d.read(4 * count))
-        d.seek(_HEADER.size)
-        # Runs of consecutive pages go out in one write.
-        i = 0
+        raw = d.read(4 * count)
+    if len(raw) != 4 * count:
+        raise DiffError(f"{diff.name} is truncated")
+    index = struct.unpack(f"<{count}I", raw)
+    if any(a >= b for a, b in zip(index, index[1:], strict=False)):
+        raise DiffError(f"{diff.name}: its page numbers are not ascending")
+    if index and (index[-1] + 1) * PAGE > size:
+        raise DiffError(f"{diff.name} has a page beyond the RAM's {size} bytes")
+    return index
+
+
+def _apply(diff: Path, index: tuple[int, ...], fd: int) -> None:
+    """Write the diff's pages where they belong; runs of consecutive pages in one copy."""
+    dfd = os.open(diff, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        i, count = 0, len(index)
         while i < count:
             j = i + 1
-            while j < count and index[j] == index[j - 1] + 1 and j - i < 256:
+            while j < count and index[j] == index[j - 1] + 1:
                 j += 1
-            data = d.read((j - i) * PAGE)
-            if len(data) != (j - i) * PAGE:
-                raise DiffError(f"{diff.name} is truncated")
-            os.pwrite(fd, data, index[i] * PAGE)
+            _copy_range(dfd, fd, _HEADER.size + i * PAGE, index[i] * PAGE, (j - i) * PAGE)
             i = j
+    finally:
+        os.close(dfd)
