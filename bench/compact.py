@@ -65,7 +65,8 @@ def memory_kib(pid: int) -> tuple[int, int]:
 
 
 class Timings:
-    """The QEMU spawn (process start to QMP up) and the snapshot work, per wake."""
+    """The QEMU spawn (process start to QMP up), the snapshot work and, within it, the
+    fsync of the rebuilt memory file, per wake."""
 
     def __init__(self, m: Machine) -> None:
         self.spawn: list[float] = []
@@ -88,6 +89,16 @@ class Timings:
                 timings.work.append((time.monotonic() - t) * 1000)
 
         m._ready_snapshot = timed_ready  # type: ignore[method-assign]
+        self.fsync: list[float] = []
+        fsync = store._fsync
+
+        def timed_fsync(path: Path) -> None:
+            t = time.monotonic()
+            fsync(path)
+            if path.name == "memory":  # the rebuilt RAM file made durable
+                timings.fsync.append((time.monotonic() - t) * 1000)
+
+        store._fsync = timed_fsync
 
 
 async def standby(m: Machine, rounds: int) -> tuple[list[float], list[float], list[float]]:
@@ -97,20 +108,18 @@ async def standby(m: Machine, rounds: int) -> tuple[list[float], list[float], li
     class Measured(Exception):
         pass
 
+    async def measure(driver, t: float):  # type: ignore[no-untyped-def]
+        start_ms.append((time.monotonic() - t) * 1000)
+        await asyncio.sleep(1.0)  # settled, as a standby VMM would be
+        kib = memory_kib(driver.pid)
+        rss.append(kib[0] / 1024)
+        pss.append(kib[1] / 1024)
+        raise Measured
+
     for _ in range(rounds):
-        driver = m.backend.new_driver()
-        t = time.monotonic()
-
-        async def source():  # type: ignore[no-untyped-def]
-            start_ms.append((time.monotonic() - t) * 1000)
-            await asyncio.sleep(1.0)  # settled, as a standby VMM would be
-            kib = memory_kib(driver.pid)
-            rss.append(kib[0] / 1024)
-            pss.append(kib[1] / 1024)
-            raise Measured
-
+        driver, t = m.backend.new_driver(), time.monotonic()
         try:
-            await driver.restore_when_ready(m.spec, source)
+            await driver.restore_when_ready(m.spec, lambda d=driver, t=t: measure(d, t))
         except Exception as exc:
             assert isinstance(exc.__cause__, Measured), exc
         assert driver.pid is None
@@ -130,6 +139,7 @@ async def main(rounds: int) -> None:
     work = {k: [] for k in KINDS}
     disk = {"whole": [], "compact": []}
     compact_ms: list[float] = []
+    fsync: list[float] = []
     try:
         await m.create()
         agent = m.require_agent()
@@ -154,6 +164,8 @@ async def main(rounds: int) -> None:
                 wake[kind].append((time.monotonic() - t) * 1000)
                 spawn[kind].append(timings.spawn.pop())
                 work[kind].append(timings.work.pop())
+                if snapshot == "compact":
+                    fsync.append(timings.fsync.pop())
         await m.suspend()
         await m._stop_seal()
         standby_ms, rss, pss = await standby(m, rounds)
@@ -172,6 +184,7 @@ async def main(rounds: int) -> None:
     for kind in KINDS:
         name = f"  snapshot work, {kind[0]}, {'overlap' if kind[1] else 'sequential'}"
         report(name, work[kind])
+    report("  of which fsync of the rebuilt memory file", fsync)
     report("compaction (diff against the golden)", compact_ms)
     report("disk per suspended sandbox, whole", disk["whole"], "MiB")
     report("disk per suspended sandbox, compact", disk["compact"], "MiB")

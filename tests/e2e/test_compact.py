@@ -133,3 +133,45 @@ def test_daemon_killed_while_compacting_or_rebuilding(config, tmp_path, point) -
     with running_daemon(data, config=config) as d, d.client() as api:
         _check_intact(api, sid, digest, pid)
     assert not vmm_pids_for(str(data))
+
+
+def test_daemon_killed_while_the_early_vmm_waits_for_the_rebuild(config, tmp_path) -> None:
+    """A wake starts QEMU (-incoming defer) while it rebuilds the memory in place; the
+    daemon dies in that window (``restore.waiting``: QEMU up and not yet recorded). The
+    QEMU must not outlive the next start-up, and the memory file, rebuilt again from
+    whatever the dead rebuild left, must be the suspended RAM byte for byte."""
+    data = tmp_path / "data"
+    plain = start_daemon(data, config=config)
+    try:
+        with plain.client() as api:
+            sid, digest, pid = _prepare(api)
+        root = data / "sandboxes" / sid
+        sealed = _wait_compact(root)["sha256"]  # the whole RAM file's, hashed at suspend
+    finally:
+        stop_daemon(plain)
+    armed = start_daemon(data, config=config, env={"AGENTBOX_FAULTS": "restore.waiting=1"})
+    try:
+        with armed.client() as api, pytest.raises(httpx.TransportError):
+            api.post(f"/v1/sandboxes/{sid}/execute", json={"command": "true"})
+        armed.proc.wait(120)
+        assert armed.proc.returncode == -signal.SIGKILL, armed.log_tail()
+    finally:
+        stop_daemon(armed)
+    orphans = vmm_pids_for(str(data))
+    assert orphans, "the early QEMU should have been up when the daemon died"
+    assert (root / "memory").exists()  # prepared at its final path before QEMU started
+    recovering = start_daemon(data, config=config)  # (its sandboxes stay: no running_daemon)
+    try:
+        assert not vmm_pids_for(str(data)), "start-up recovery kills the unrecorded QEMU"
+        with recovering.client() as api:
+            assert _ok(api.get(f"/v1/sandboxes/{sid}"))["state"] == "suspended"
+    finally:
+        stop_daemon(recovering)
+    snapshot = root / "snapshot"
+    from vmctl import store  # as the next wake does: from scratch over what is there
+    store.expand_memory(snapshot)
+    assert "diff" not in json.loads((snapshot / "manifest.json").read_text())["files"]["memory"]
+    assert hashlib.sha256((root / "memory").read_bytes()).hexdigest() == sealed
+    with running_daemon(data, config=config) as d, d.client() as api:
+        _check_intact(api, sid, digest, pid)
+    assert not vmm_pids_for(str(data))
