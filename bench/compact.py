@@ -1,12 +1,13 @@
 """Compact memory snapshots and the early VMM start: what a wake pays, disk per sandbox.
 
-One sandbox (vmctl ``Machine``, no gateway) that ran a few commands; each round runs four
-wakes in one run, interleaved (the order alternates between rounds): {whole, compact}
-snapshot x {overlap, sequential}. whole = suspend, wake from the full memory file;
-compact = suspend, compact the memory to its diff from the golden
-(``store.compact_memory``, as ``vm.compact_after`` does in the daemon), wake (which
-rebuilds the file first). overlap = ``vm.overlap_restore`` on (the VMM starts while the
-snapshot is rebuilt and verified), sequential = off. Each wake is timed to the first
+One sandbox (vmctl ``Machine``, no gateway) that ran a few commands; each round runs five
+wakes in one run, interleaved (the order alternates between rounds): whole and compact
+snapshots, with ``vm.overlap_restore`` on (the VMM starts while the snapshot is rebuilt
+and verified) or off, and for compact ones with a spare RAM file ready or not
+(``vm.ram_spares``). whole = suspend, wake from the full memory file; compact = suspend,
+compact the memory to its diff from the golden (``store.compact_memory``, as
+``vm.compact_after`` does in the daemon, followed, for "spare", by the spare fill the
+daemon does after it), wake (which rebuilds the file first). Each wake is timed to the first
 ``exec true`` answered. Then a standby phase: a QEMU started for the suspended sandbox
 and left waiting in ``-incoming defer`` (what a pre-spawned VMM would be): its start
 time and its memory (RSS, PSS) while it waits. Prints medians/spread and the disk figures.
@@ -30,7 +31,7 @@ from _common import IMAGES_DIR, report
 
 from guest.protocol import ExecRequest
 from images.catalog import load_template
-from vmctl import network, store
+from vmctl import network, ramspare, store
 from vmctl.backend import VMConfig, select
 from vmctl.drivers.qemu import QemuDriver
 from vmctl.golden import ensure_golden
@@ -38,7 +39,9 @@ from vmctl.machine import Machine, MachinePlan
 
 NET = network.NetworkConfig(pool="169.254.4.0/22")
 MIB = 1 << 20
-KINDS = [("whole", True), ("whole", False), ("compact", True), ("compact", False)]
+# (snapshot, vm.overlap_restore, a spare RAM file ready): five wakes per round.
+KINDS = [("whole", True, False), ("whole", False, False), ("compact", True, True),
+         ("compact", False, True), ("compact", True, False)]
 
 
 def allocated(root: Path) -> int:
@@ -139,7 +142,9 @@ async def main(rounds: int) -> None:
     work = {k: [] for k in KINDS}
     disk = {"whole": [], "compact": []}
     compact_ms: list[float] = []
-    fsync: list[float] = []
+    fsync: dict[bool, list[float]] = {True: [], False: []}
+    fill_ms: list[float] = []
+    spares = m.plan.root.parent / ramspare.SPARES_DIR
     try:
         await m.create()
         agent = m.require_agent()
@@ -147,7 +152,7 @@ async def main(rounds: int) -> None:
             await agent.execute(ExecRequest(command=cmd))
         for r in range(rounds):
             for kind in KINDS if r % 2 == 0 else KINDS[::-1]:
-                snapshot, overlap = kind
+                snapshot, overlap, spare = kind
                 await m.suspend()
                 await m._stop_seal()  # the seal would race the manual compaction below
                 if snapshot == "compact":
@@ -155,9 +160,16 @@ async def main(rounds: int) -> None:
                     await asyncio.to_thread(store.compact_memory, m.snapshot_dir,
                                             golden.snapshot.memory, threading.Event())
                     compact_ms.append((time.monotonic() - t) * 1000)
-                disk[snapshot].append(allocated(m.plan.root) / MIB)
+                    disk[snapshot].append(allocated(m.plan.root) / MIB)
+                    if spare:  # what the daemon does after a compaction, in the background
+                        t = time.monotonic()
+                        if await asyncio.to_thread(ramspare.fill, spares, golden.snapshot.memory,
+                                                   1):
+                            fill_ms.append((time.monotonic() - t) * 1000)
+                else:
+                    disk[snapshot].append(allocated(m.plan.root) / MIB)
                 m.backend = dataclasses.replace(backend, config=dataclasses.replace(
-                    backend.config, overlap_restore=overlap))
+                    backend.config, overlap_restore=overlap, ram_spares=int(spare)))
                 t = time.monotonic()
                 await m.wake()
                 await m.require_agent().execute(ExecRequest(command="true"))
@@ -165,7 +177,7 @@ async def main(rounds: int) -> None:
                 spawn[kind].append(timings.spawn.pop())
                 work[kind].append(timings.work.pop())
                 if snapshot == "compact":
-                    fsync.append(timings.fsync.pop())
+                    fsync[spare].append(timings.fsync.pop())
         await m.suspend()
         await m._stop_seal()
         standby_ms, rss, pss = await standby(m, rounds)
@@ -173,33 +185,39 @@ async def main(rounds: int) -> None:
         await m.destroy()
         shutil.rmtree(base, ignore_errors=True)
     print(f"backend: {backend.driver_name} accel={backend.accel.value}; "
-          f"golden RAM {golden.mem_mib} MiB; {rounds} rounds of 4 interleaved wakes")
+          f"golden RAM {golden.mem_mib} MiB; {rounds} rounds of {len(KINDS)} interleaved wakes")
     med = {}
     for kind in KINDS:
-        name = f"wake, {kind[0]} snapshot, {'overlap' if kind[1] else 'sequential'}"
-        med[kind] = report(name, wake[kind])
+        med[kind] = report(f"wake, {label(kind)}", wake[kind])
     for kind in KINDS:
-        name = f"  QEMU spawn, {kind[0]}, {'overlap' if kind[1] else 'sequential'}"
-        report(name, spawn[kind])
+        report(f"  QEMU spawn, {label(kind)}", spawn[kind])
     for kind in KINDS:
-        name = f"  snapshot work, {kind[0]}, {'overlap' if kind[1] else 'sequential'}"
-        report(name, work[kind])
-    report("  of which fsync of the rebuilt memory file", fsync)
+        report(f"  snapshot work, {label(kind)}", work[kind])
+    report("  of which fsync of the rebuilt file, spare", fsync[True])
+    report("  of which fsync of the rebuilt file, no spare", fsync[False])
     report("compaction (diff against the golden)", compact_ms)
+    report("spare RAM file made (background, after it)", fill_ms)
     report("disk per suspended sandbox, whole", disk["whole"], "MiB")
     report("disk per suspended sandbox, compact", disk["compact"], "MiB")
     report("standby QEMU: start to waiting (-incoming defer)", standby_ms)
     report("standby QEMU: RSS while waiting", rss, "MiB")
     report("standby QEMU: PSS while waiting", pss, "MiB")
-    for snap in ("whole", "compact"):
-        on, off = med[(snap, True)], med[(snap, False)]
+    for snap, spare in (("whole", False), ("compact", True)):
+        on, off = med[(snap, True, spare)], med[(snap, False, spare)]
         print(f"{snap}: overlap saves {off - on:.0f} ms of {off:.0f} ms "
               f"({(off - on) / off:.0%}; medians)")
-    for overlap in (True, False):
-        print(f"wake ratio compact/whole, {'overlap' if overlap else 'sequential'} (medians): "
-              f"{med[('compact', overlap)] / med[('whole', overlap)]:.2f}")
+    whole = med[("whole", True, False)]
+    for kind in KINDS[2:]:
+        print(f"wake ratio compact/whole ({label(kind)} / whole, overlap; medians): "
+              f"{med[kind] / whole:.2f}")
     print("spread (pstdev): " + ", ".join(
-        f"{k[0]}/{'ov' if k[1] else 'seq'} {statistics.pstdev(wake[k]):.0f} ms" for k in KINDS))
+        f"{label(k)} {statistics.pstdev(wake[k]):.0f} ms" for k in KINDS))
+
+
+def label(kind: tuple[str, bool, bool]) -> str:
+    snapshot, overlap, spare = kind
+    return f"{snapshot}, {'overlap' if overlap else 'sequential'}" + (
+        (", spare" if spare else ", no spare") if snapshot == "compact" else "")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from guest.protocol import InitRequest
-from vmctl import disk_grow, faults, network, store
+from vmctl import disk_grow, faults, memdiff, network, ramspare, store
 from vmctl.agent_client import AgentClient
 from vmctl.disks import copy_sparse
 from vmctl.backend import Backend
@@ -136,6 +136,13 @@ class Machine:
     @property
     def snapshot_dir(self) -> Path:
         return self.plan.root / "snapshot"
+
+    @property
+    def spares_dir(self) -> Path | None:
+        """Where spare RAM files for compact wakes live (``vmctl.ramspare``), if used."""
+        if self.backend.config.ram_spares <= 0 or not self.backend.layout.compacts_memory:
+            return None
+        return self.plan.root.parent / ramspare.SPARES_DIR
 
     def vmm_record(self) -> VMMRecord | None:
         return self.driver.record() if self.driver and self.driver.pid else None
@@ -239,7 +246,10 @@ class Machine:
             if saved is not None:
                 log.info("sandbox %s: memory snapshot compacted (%d MiB saved)",
                          self.plan.vm_id, saved >> 20)
-        except store.SealCancelled:
+            if self.spares_dir is not None:  # so that its wake writes only the diff
+                await loop.run_in_executor(None, ramspare.fill, self.spares_dir, golden,
+                                           self.backend.config.ram_spares, cancel)
+        except (store.SealCancelled, memdiff.Cancelled):
             pass
         except Exception as exc:  # the snapshot stays as it was: usable, just not compact
             log.warning("sandbox %s: sealing/compacting its snapshot failed: %s",
@@ -318,7 +328,8 @@ class Machine:
         await self._stop_seal()
         overlap = self.backend.config.overlap_restore
         try:  # before any VMM starts: QEMU maps the memory file at its final path
-            prepared = await asyncio.to_thread(store.prepare_memory, self.snapshot_dir)
+            prepared = await asyncio.to_thread(store.prepare_memory, self.snapshot_dir,
+                                               self.spares_dir)
             if not overlap:
                 snap = await asyncio.to_thread(self._ready_snapshot, prepared, started)
         except SnapshotError as exc:

@@ -180,19 +180,43 @@ def rebuild(diff: Path, golden: Path, out: Path, cloned: bool = False) -> None:
             raise DiffError(f"{out.name} is {os.fstat(fd).st_size} bytes, not {size}")
         index = _read_index(diff, count, size)
         if not cloned:
-            gfd = os.open(golden, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                since = 0  # writeback is started every _WRITEBACK bytes, as the copy goes
-                for start, end in golden_runs(golden):
-                    _copy_range(gfd, fd, start, start, end - start)
-                    if end - since >= _WRITEBACK:
-                        _start_writeback(fd, since, end - since)
-                        since = end
-            finally:
-                os.close(gfd)
+            _copy_golden_into(golden, fd)
         _apply(diff, index, fd)
     finally:
         os.close(fd)
+
+
+def copy_golden(golden: Path, out: Path, cancel: threading.Event | None = None) -> None:
+    """Make ``out`` a durable copy of ``golden`` (a reflink, or its non-zero pages in a
+    file of holes), mode 0600: a spare RAM file (``vmctl.ramspare``)."""
+    if not prepare(golden, out):
+        fd = os.open(out, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            _copy_golden_into(golden, fd, cancel)
+        finally:
+            os.close(fd)
+    fd = os.open(out, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _copy_golden_into(golden: Path, fd: int, cancel: threading.Event | None = None) -> None:
+    """Copy the golden's non-zero pages to the same offsets of ``fd``."""
+    gfd = os.open(golden, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        since = 0  # writeback is started every _WRITEBACK bytes, as the copy goes
+        for start, end in golden_runs(golden):
+            for off in range(start, end, _WRITEBACK):
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled(str(golden))
+                _copy_range(gfd, fd, off, off, min(_WRITEBACK, end - off))
+            if end - since >= _WRITEBACK:
+                _start_writeback(fd, since, end - since)
+                since = end
+    finally:
+        os.close(gfd)
 
 
 _runs: dict[tuple[str, int, int, int], list[tuple[int, int]]] = {}

@@ -155,15 +155,17 @@ class Rebuild:
     memory: Path
     diff: Path
     golden: Path
-    cloned: bool  # a reflink of the golden: only the diff's pages are left to write
+    cloned: bool  # holds the golden's pages (a reflink, a spare): only the diff is left to write
 
 
-def prepare_memory(directory: Path) -> Rebuild | None:
+def prepare_memory(directory: Path, spares: Path | None = None) -> Rebuild | None:
     """First step of a wake from a compact snapshot: check its diff and make the memory
     file at its final path, emptied (whatever a crashed rebuild left) and sized, mode
-    0600, so a VMM can map it while ``expand_memory`` rebuilds it in place. None if the
-    snapshot is not compact (its memory file is whole)."""
-    from vmctl import memdiff
+    0600, so a VMM can map it while ``expand_memory`` rebuilds it in place: a spare copy
+    of the golden's memory from ``spares`` if one is ready (``vmctl.ramspare``; only the
+    diff is left to write), else a reflink or holes. None if the snapshot is not compact
+    (its memory file is whole)."""
+    from vmctl import memdiff, ramspare
     manifest = Manifest.from_json((directory / MANIFEST).read_bytes())
     entry = manifest.files["memory"]
     diff_entry = entry.get("diff")
@@ -179,7 +181,10 @@ def prepare_memory(directory: Path) -> Rebuild | None:
         if golden.stat().st_size != size:
             raise memdiff.DiffError(f"the diff is for {size} bytes of RAM, the golden "
                                     f"has {golden.stat().st_size}")
-        cloned = memdiff.prepare(golden, memory)
+        cloned = spares is not None and ramspare.take(spares, golden, memory) and \
+            memory.stat().st_size == size
+        if not cloned:
+            cloned = memdiff.prepare(golden, memory)
     except (memdiff.DiffError, OSError) as exc:
         raise SnapshotError(f"cannot rebuild the snapshot's memory: {exc}") from exc
     return Rebuild(memory, diff, golden, cloned)
