@@ -93,7 +93,16 @@ def test_a_compacted_sandbox_wakes_with_everything(config, tmp_path) -> None:
         entry = _wait_compact(root)
         assert entry["diff"]["size"] < 40 * MIB, entry
         assert _allocated(root) < 40 * MIB
+        # After the compaction, a spare copy of the golden's memory (vm.ram_spares) ...
+        spares = d.data_dir / "sandboxes" / ".ram-spares"
+        deadline = time.monotonic() + 60
+        while not list(spares.glob("*/*.ram")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        [spare] = spares.glob("*/*.ram")
+        inode = spare.stat().st_ino
         _check_intact(api, sid, digest, pid)
+        # ... became the sandbox's RAM file: the wake wrote only the diff into it.
+        assert (root / "memory").stat().st_ino == inode and not list(spares.glob("*/*.ram"))
         assert not (root / "snapshot").exists()  # the wake consumed and dropped it
         # A second cycle: the rebuilt memory file is the sandbox's RAM again.
         _ok(api.post(f"/v1/sandboxes/{sid}/suspend"))
