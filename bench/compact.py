@@ -8,9 +8,11 @@ and verified) or off, and for compact ones with a spare RAM file ready or not
 compact the memory to its diff from the golden (``store.compact_memory``, as
 ``vm.compact_after`` does in the daemon, followed, for "spare", by the spare fill the
 daemon does after it), wake (which rebuilds the file first). Each wake is timed to the first
-``exec true`` answered. Then a standby phase: a QEMU started for the suspended sandbox
-and left waiting in ``-incoming defer`` (what a pre-spawned VMM would be): its start
-time and its memory (RSS, PSS) while it waits. Prints medians/spread and the disk figures.
+``exec true`` answered, and to the moment QEMU is handed its device state (what the
+overlap and the rebuild change, without the guest's noisy resume). Then a standby phase:
+a QEMU started for the suspended sandbox and left waiting in ``-incoming defer`` (what a
+pre-spawned VMM would be): its start time and its memory (RSS, PSS) while it waits.
+Prints medians/spread and the disk figures.
 
     .venv/bin/python bench/compact.py [--rounds 8]
 """
@@ -36,6 +38,7 @@ from vmctl.backend import VMConfig, select
 from vmctl.drivers.qemu import QemuDriver
 from vmctl.golden import ensure_golden
 from vmctl.machine import Machine, MachinePlan
+from vmctl.qmp import QMPClient
 
 NET = network.NetworkConfig(pool="169.254.4.0/22")
 MIB = 1 << 20
@@ -82,6 +85,15 @@ class Timings:
             timings.spawn.append((time.monotonic() - t) * 1000)
 
         QemuDriver._spawn = timed_spawn  # type: ignore[method-assign]
+        self.incoming: list[float] = []  # when QEMU was handed the device state
+        execute = QMPClient.execute
+
+        async def noted(client, command, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if command == "migrate-incoming":
+                timings.incoming.append(time.monotonic())
+            return await execute(client, command, *args, **kwargs)
+
+        QMPClient.execute = noted  # type: ignore[method-assign]
         ready = m._ready_snapshot
 
         def timed_ready(*args):  # type: ignore[no-untyped-def]
@@ -139,6 +151,7 @@ async def main(rounds: int) -> None:
     timings = Timings(m)
     wake = {k: [] for k in KINDS}
     spawn = {k: [] for k in KINDS}
+    to_load = {k: [] for k in KINDS}  # wake start -> device state handed to QEMU
     work = {k: [] for k in KINDS}
     disk = {"whole": [], "compact": []}
     compact_ms: list[float] = []
@@ -174,6 +187,7 @@ async def main(rounds: int) -> None:
                 await m.wake()
                 await m.require_agent().execute(ExecRequest(command="true"))
                 wake[kind].append((time.monotonic() - t) * 1000)
+                to_load[kind].append((timings.incoming.pop() - t) * 1000)
                 spawn[kind].append(timings.spawn.pop())
                 work[kind].append(timings.work.pop())
                 if snapshot == "compact":
@@ -189,6 +203,7 @@ async def main(rounds: int) -> None:
     med = {}
     for kind in KINDS:
         med[kind] = report(f"wake, {label(kind)}", wake[kind])
+    load_med = {k: report(f"  to the state load, {label(k)}", to_load[k]) for k in KINDS}
     for kind in KINDS:
         report(f"  QEMU spawn, {label(kind)}", spawn[kind])
     for kind in KINDS:
@@ -204,8 +219,10 @@ async def main(rounds: int) -> None:
     report("standby QEMU: PSS while waiting", pss, "MiB")
     for snap, spare in (("whole", False), ("compact", True)):
         on, off = med[(snap, True, spare)], med[(snap, False, spare)]
-        print(f"{snap}: overlap saves {off - on:.0f} ms of {off:.0f} ms "
-              f"({(off - on) / off:.0%}; medians)")
+        lon, loff = load_med[(snap, True, spare)], load_med[(snap, False, spare)]
+        print(f"{snap}: overlap saves {off - on:.0f} ms of {off:.0f} ms of the wake "
+              f"({(off - on) / off:.0%}), {loff - lon:.0f} ms of the {loff:.0f} ms to the "
+              "state load (medians)")
     whole = med[("whole", True, False)]
     for kind in KINDS[2:]:
         print(f"wake ratio compact/whole ({label(kind)} / whole, overlap; medians): "
