@@ -94,11 +94,19 @@ class VMConfig:
     # golden (vmctl.memdiff; a wake then rebuilds it first); 0 = right after the suspend,
     # negative = never. QEMU only.
     compact_after: float = 600.0
+    # A wake starts the VMM while the snapshot is rebuilt (compact) and verified, and hands
+    # it the state once both are done (Machine.wake); false: one after the other.
+    overlap_restore: bool = True
+    # Spare RAM files per golden (vmctl.ramspare): durable copies of its memory, made after a
+    # compaction, so a wake from a compact snapshot writes only its diff; 0 = none. QEMU only.
+    ram_spares: int = 1
     network: NetworkConfig = field(default_factory=NetworkConfig)
     firecracker: FirecrackerConfig = field(default_factory=FirecrackerConfig)
     confine: ConfineConfig = field(default_factory=ConfineConfig)
 
     def __post_init__(self) -> None:
+        if self.ram_spares < 0:
+            raise ValueError("vm.ram_spares must be >= 0")
         if self.console_log_bytes < 4096:
             raise ValueError("vm.console_log_bytes must be >= 4096")
         if self.vmm not in VMM_CHOICES:

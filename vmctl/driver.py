@@ -7,7 +7,7 @@ behind.
 
 Lifecycle of one instance::
 
-    boot(spec) | restore(snapshot, spec) | adopt(record)
+    boot(spec) | restore(snapshot, spec) | restore_when_ready(spec, snapshot) | adopt(record)
         -> pause() / resume() / snapshot(dest)  (any order the VMM allows)
         -> destroy()                             (idempotent; kills the VMM)
 
@@ -23,7 +23,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import ClassVar
 
@@ -31,6 +31,9 @@ from vmctl.errors import VMGoneError, VMStartError
 from vmctl.spec import Accel, SnapshotFiles, VMMRecord, VMSpec
 
 log = logging.getLogger(__name__)
+
+# What a restore loads, once it is ready: called (once) when the VMM is up and waiting.
+SnapshotSource = Callable[[], Awaitable[SnapshotFiles]]
 
 
 class Driver(abc.ABC):
@@ -61,6 +64,15 @@ class Driver(abc.ABC):
 
         ``before_resume`` runs after the state has loaded and just before the guest
         may execute (the last moment the snapshot is still unused)."""
+        await self.restore_when_ready(spec, lambda: _ready(snapshot), before_resume)
+
+    async def restore_when_ready(self, spec: VMSpec, snapshot: SnapshotSource,
+                                 before_resume: Callable[[], None] | None = None) -> None:
+        """``restore``, with the VMM started before its snapshot is ready: the process
+        starts (and waits, loading nothing) while the caller still rebuilds or verifies
+        the snapshot; ``snapshot()`` is awaited once the VMM is up, and its files are
+        handed over only then. If it raises, the VMM is killed and the error propagates
+        (a SnapshotError stays recognisable as the cause)."""
         await self._start(spec, lambda s: self._restore(snapshot, s, before_resume or _nothing))
 
     async def finish_restore(self, before_resume: Callable[[], None]) -> None:
@@ -171,8 +183,9 @@ class Driver(abc.ABC):
     async def _boot(self, spec: VMSpec) -> None: ...
 
     @abc.abstractmethod
-    async def _restore(self, snapshot: SnapshotFiles, spec: VMSpec,
-                       before_resume: Callable[[], None]) -> None: ...
+    async def _restore(self, snapshot: SnapshotSource, spec: VMSpec,
+                       before_resume: Callable[[], None]) -> None:
+        """Start the VMM waiting for its state, then ``await snapshot()`` and load it."""
 
     @abc.abstractmethod
     async def _finish_restore(self, before_resume: Callable[[], None]) -> None: ...
@@ -199,6 +212,10 @@ class Driver(abc.ABC):
 
 def _nothing() -> None:
     pass
+
+
+async def _ready(snapshot: SnapshotFiles) -> SnapshotFiles:
+    return snapshot
 
 
 def pid_alive(pid: int) -> bool:

@@ -7,7 +7,9 @@ chaos suite arms points through the environment of the daemon it starts::
     AGENTBOX_FAULTS="restore.resumed=0.3,suspend.migrating=0.2"
 
 and the daemon SIGKILLs itself with that probability when it reaches a point.
-Unset (production), ``point`` is one dict lookup. Points: ``restore.loading``
+Unset (production), ``point`` is one dict lookup. Points: ``restore.waiting`` (a
+wake's QEMU started and waiting for its state, not yet recorded, while the snapshot is
+rebuilt or verified), ``restore.loading``
 (device state streaming in), ``restore.before_cont`` (snapshot marked consumed,
 guest not yet running), ``restore.resumed`` (guest running, agent not yet
 answered), ``suspend.migrating`` (the snapshot being written),

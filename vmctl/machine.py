@@ -38,16 +38,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from guest.protocol import InitRequest
-from vmctl import disk_grow, faults, network, store
+from vmctl import disk_grow, faults, memdiff, network, ramspare, store
 from vmctl.agent_client import AgentClient
 from vmctl.disks import copy_sparse
 from vmctl.backend import Backend
-from vmctl.driver import Driver, kill_pid, pid_alive
+from vmctl.driver import Driver, SnapshotSource, kill_pid, pid_alive
 from vmctl.egress import EgressPolicy
 from vmctl.errors import SnapshotError, VMGoneError, VmctlError
 from vmctl.golden import Golden
 from vmctl.network import NetSlot
-from vmctl.spec import VMMRecord, VMSpec
+from vmctl.spec import SnapshotFiles, VMMRecord, VMSpec
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,20 @@ class RestoreError(VmctlError):
 
 
 SYNC_TIMEOUT_S = 20.0  # guest filesystems flushed before a snapshot (cold-boot fallback)
+
+
+async def _settled(fut: asyncio.Future) -> BaseException | None:
+    """Wait until ``fut`` is done, through cancellation too (re-raised afterwards: the
+    worker thread behind it writes the sandbox's files); returns its exception."""
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.wait([fut])
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return None if fut.cancelled() else fut.exception()
 
 
 def hostname_for(vm_id: str) -> str:
@@ -122,6 +136,13 @@ class Machine:
     @property
     def snapshot_dir(self) -> Path:
         return self.plan.root / "snapshot"
+
+    @property
+    def spares_dir(self) -> Path | None:
+        """Where spare RAM files for compact wakes live (``vmctl.ramspare``), if used."""
+        if self.backend.config.ram_spares <= 0 or not self.backend.layout.compacts_memory:
+            return None
+        return self.plan.root.parent / ramspare.SPARES_DIR
 
     def vmm_record(self) -> VMMRecord | None:
         return self.driver.record() if self.driver and self.driver.pid else None
@@ -225,7 +246,10 @@ class Machine:
             if saved is not None:
                 log.info("sandbox %s: memory snapshot compacted (%d MiB saved)",
                          self.plan.vm_id, saved >> 20)
-        except store.SealCancelled:
+            if self.spares_dir is not None:  # so that its wake writes only the diff
+                await loop.run_in_executor(None, ramspare.fill, self.spares_dir, golden,
+                                           self.backend.config.ram_spares, cancel)
+        except (store.SealCancelled, memdiff.Cancelled):
             pass
         except Exception as exc:  # the snapshot stays as it was: usable, just not compact
             log.warning("sandbox %s: sealing/compacting its snapshot failed: %s",
@@ -295,21 +319,57 @@ class Machine:
     async def wake(self) -> float:
         """Restore from the sandbox's own snapshot; returns ms to agent-ready.
 
-        Raises RestoreError; ``guest_started`` tells whether the guest ran (after
-        which the snapshot no longer matches the memory and disk it describes)."""
+        With ``vm.overlap_restore`` (the default) the VMM starts while the snapshot is
+        rebuilt (a compact one) and verified, in a worker thread, and gets its state once
+        both are done; otherwise one after the other. Raises RestoreError;
+        ``guest_started`` tells whether the guest ran (after which the snapshot no longer
+        matches the memory and disk it describes)."""
         started = time.monotonic()
         await self._stop_seal()
-        try:
-            if await asyncio.to_thread(store.expand_memory, self.snapshot_dir):
-                log.info("sandbox %s: memory rebuilt from its compact snapshot in %.0f ms",
-                         self.plan.vm_id, (time.monotonic() - started) * 1000)
-            snap, _ = await asyncio.to_thread(store.load, self.snapshot_dir)
+        overlap = self.backend.config.overlap_restore
+        try:  # before any VMM starts: QEMU maps the memory file at its final path
+            prepared = await asyncio.to_thread(store.prepare_memory, self.snapshot_dir,
+                                               self.spares_dir)
+            if not overlap:
+                snap = await asyncio.to_thread(self._ready_snapshot, prepared, started)
         except SnapshotError as exc:
             raise RestoreError(str(exc), guest_started=False, snapshot_unusable=True) from exc
-        await self._start_from(snap, consumes=self.snapshot_dir)
+        if overlap:
+            await self._start_overlapped(prepared, started)
+        else:
+            await self._start_from(snap, consumes=self.snapshot_dir)
         # The guest now writes to the memory file and disk the snapshot described.
         shutil.rmtree(self.snapshot_dir, ignore_errors=True)
         return (time.monotonic() - started) * 1000
+
+    async def _start_overlapped(self, prepared: store.Rebuild | None, started: float) -> None:
+        """Start the VMM now; the snapshot work runs meanwhile in a worker thread, which
+        this always waits for (it writes the memory file), whatever happens to the VMM."""
+        ready = asyncio.get_running_loop().run_in_executor(
+            None, self._ready_snapshot, prepared, started)
+        try:
+            await self._start_from(lambda: asyncio.shield(ready), consumes=self.snapshot_dir)
+        except RestoreError as exc:
+            # The VMM may have failed before it asked for the snapshot: an unusable one
+            # is still what the caller must hear (FAILED -> cold boot, as without overlap).
+            unusable = await _settled(ready)
+            if not exc.guest_started and isinstance(unusable, SnapshotError):
+                raise RestoreError(str(unusable), guest_started=False,
+                                   snapshot_unusable=True) from unusable
+            raise
+        finally:
+            await _settled(ready)
+
+    def _ready_snapshot(self, prepared: store.Rebuild | None, started: float) -> SnapshotFiles:
+        """(Worker thread.) Rebuild a compact snapshot's memory, then load and verify it."""
+        if prepared is not None and store.expand_memory(self.snapshot_dir, prepared):
+            log.info("sandbox %s: memory rebuilt from its compact snapshot in %.0f ms",
+                     self.plan.vm_id, (time.monotonic() - started) * 1000)
+        snap, _ = store.load(self.snapshot_dir)
+        if snap.accel is not self.backend.accel:
+            raise SnapshotError(f"snapshot is for {snap.accel.value}; host runs "
+                                f"{self.backend.accel.value}")
+        return snap
 
     async def cold_boot(self) -> float:
         """Boot the sandbox's own disk with a fresh kernel (its memory state is lost).
@@ -378,14 +438,15 @@ class Machine:
 
     # -- internals ------------------------------------------------------------------
 
-    async def _start_from(self, snap, consumes: Path | None = None,  # type: ignore[no-untyped-def]
-                          identity: bool = False) -> None:
-        """Start a VMM from ``snap``. ``consumes``: the sandbox's own snapshot directory,
+    async def _start_from(self, snap: SnapshotFiles | SnapshotSource,
+                          consumes: Path | None = None, identity: bool = False) -> None:
+        """Start a VMM from ``snap`` (or from what it returns once the VMM is up: see
+        ``Driver.restore_when_ready``). ``consumes``: the sandbox's own snapshot directory,
         marked consumed (durably) just before the guest first runs from it, so that
         after any crash nobody restores it again (the guest writes the memory file
         and the disk it describes). ``identity``: the sandbox's first start, so its
         guest gets its own hostname and machine-id."""
-        if snap.accel is not self.backend.accel:
+        if isinstance(snap, SnapshotFiles) and snap.accel is not self.backend.accel:
             raise RestoreError(f"snapshot is for {snap.accel.value}; host runs "
                                f"{self.backend.accel.value}", guest_started=False,
                                snapshot_unusable=True)
@@ -397,7 +458,10 @@ class Machine:
                 store.mark_consumed(consumes)
 
         try:
-            await driver.restore(snap, self.spec, before_resume=before_resume)
+            if isinstance(snap, SnapshotFiles):
+                await driver.restore(snap, self.spec, before_resume=before_resume)
+            else:  # the VMM starts while the snapshot is still being made ready
+                await driver.restore_when_ready(self.spec, snap, before_resume=before_resume)
         except Exception as exc:
             self.driver = None
             bad = isinstance(exc, SnapshotError) or isinstance(exc.__cause__, SnapshotError)

@@ -3,10 +3,12 @@ from its golden snapshot's.
 
 A QEMU sandbox's RAM file starts as a copy of the golden memory file and the
 guest dirties a small part of it, so a suspended sandbox that ran a few commands
-needs only those pages on disk. ``compact`` writes them to a diff file; ``expand``
+needs only those pages on disk. ``compact`` writes them to a diff file; a wake
 rebuilds the RAM file from the golden file (a reflink where the filesystem has
-them, else a sparse copy: that copy is what a wake from a compact snapshot pays)
-plus the diff.
+them, else a copy of its data extents: that copy is what a wake from a compact
+snapshot pays) plus the diff. The rebuild is in place, in two steps, so that a
+VMM can start meanwhile: ``prepare`` empties and sizes the file at its final path
+(before the VMM maps it), ``rebuild`` writes it; ``expand`` does both.
 
 Diff file format (little-endian)::
 
@@ -19,9 +21,11 @@ data is stored like any other differing page.
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
+import functools
 import os
 import struct
-import subprocess
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +35,10 @@ PAGE = 4096
 _HEADER = struct.Struct("<8sIQQ")
 _BLOCK = 1 << 20  # compared whole first; pages only inside blocks that differ
 _ZERO_BLOCK = bytes(_BLOCK)
+_ZERO_PAGE = bytes(PAGE)
+_SYNC_FILE_RANGE_WRITE = 2
+_WRITEBACK = 8 << 20
+_FICLONE = 0x40049409  # ioctl: share all of a file's extents (a reflink)
 
 
 class DiffError(Exception):
@@ -111,6 +119,7 @@ def compact(memory: Path, golden: Path, out: Path,
         os.close(mfd)
         os.close(gfd)
     os.replace(tmp, out)
+    golden_runs(golden)  # computed here, in the background, for the wake that rebuilds it
     return DiffStats(size, len(pages), out.stat().st_size)
 
 
@@ -128,40 +137,198 @@ def read_header(diff: Path) -> tuple[int, int]:
         return size, count
 
 
-def expand(diff: Path, golden: Path, out: Path) -> None:
-    """Rebuild the RAM file ``out`` (atomically; mode 0600) from ``golden`` and ``diff``."""
+def prepare(golden: Path, out: Path) -> bool:
+    """Make ``out`` the RAM file a rebuild writes into, at its final path: emptied first
+    (a crash mid-rebuild leaves junk, so every rebuild starts from scratch), then a reflink
+    of ``golden`` where the filesystem has them, else ``golden``'s size of holes; mode 0600.
+    Returns True if it is a reflink (``rebuild`` then copies nothing from the golden).
+
+    Done before a VMM maps the file (QEMU maps its RAM file when it starts), so that the
+    rebuild can proceed in place while the VMM starts."""
+    size = golden.stat().st_size
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        gfd = os.open(golden, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fcntl.ioctl(fd, _FICLONE, gfd)
+            cloned = True
+        except OSError:  # no reflinks here (ext4), or another filesystem
+            cloned = False
+        finally:
+            os.close(gfd)
+        if not cloned:
+            os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    return cloned
+
+
+def rebuild(diff: Path, golden: Path, out: Path, cloned: bool = False) -> None:
+    """Rebuild the RAM file ``out`` in place (``prepare`` made it) from ``golden`` and
+    ``diff``: the golden's non-zero pages (unless ``cloned``; zero pages stay holes), then
+    the diff's pages, copied in the kernel. The writes go through the page cache, so a VMM
+    that has the file mapped shared sees them; the caller fsyncs (writeback is started as
+    the copy goes: the disk, not the copy, is what a rebuild waits for). Not atomic:
+    ``out`` is usable only once this returns."""
     size, count = read_header(diff)
     if golden.stat().st_size != size:
         raise DiffError(f"diff is for {size} bytes of RAM, the golden has {golden.stat().st_size}")
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.unlink(missing_ok=True)
+    fd = os.open(out, os.O_WRONLY | os.O_CLOEXEC)
     try:
-        # cp: a reflink where the filesystem can (no data copied), else only the data blocks.
-        proc = subprocess.run(["cp", "--reflink=auto", "--sparse=always", str(golden), str(tmp)],
-                              capture_output=True, check=False)
-        if proc.returncode != 0:
-            raise DiffError(f"copying the golden memory failed: {proc.stderr.decode().strip()}")
-        os.chmod(tmp, 0o600)
-        with open(diff, "rb") as d:
-            d.seek(_HEADER.size + count * PAGE)
-            index = struct.unpack(f"<{count}I", d.read(4 * count))
-            d.seek(_HEADER.size)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
-            try:
-                # Runs of consecutive pages go out in one write.
-                i = 0
-                while i < count:
-                    j = i + 1
-                    while j < count and index[j] == index[j - 1] + 1 and j - i < 256:
-                        j += 1
-                    data = d.read((j - i) * PAGE)
-                    if len(data) != (j - i) * PAGE:
-                        raise DiffError(f"{diff.name} is truncated")
-                    os.pwrite(fd, data, index[i] * PAGE)
-                    i = j
-            finally:
-                os.close(fd)
+        if os.fstat(fd).st_size != size:
+            raise DiffError(f"{out.name} is {os.fstat(fd).st_size} bytes, not {size}")
+        index = _read_index(diff, count, size)
+        if not cloned:
+            _copy_golden_into(golden, fd)
+        _apply(diff, index, fd)
+    finally:
+        os.close(fd)
+
+
+def copy_golden(golden: Path, out: Path, cancel: threading.Event | None = None) -> None:
+    """Make ``out`` a durable copy of ``golden`` (a reflink, or its non-zero pages in a
+    file of holes), mode 0600: a spare RAM file (``vmctl.ramspare``)."""
+    if not prepare(golden, out):
+        fd = os.open(out, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            _copy_golden_into(golden, fd, cancel)
+        finally:
+            os.close(fd)
+    fd = os.open(out, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _copy_golden_into(golden: Path, fd: int, cancel: threading.Event | None = None) -> None:
+    """Copy the golden's non-zero pages to the same offsets of ``fd``."""
+    gfd = os.open(golden, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        since = 0  # writeback is started every _WRITEBACK bytes, as the copy goes
+        for start, end in golden_runs(golden):
+            for off in range(start, end, _WRITEBACK):
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled(str(golden))
+                _copy_range(gfd, fd, off, off, min(_WRITEBACK, end - off))
+            if end - since >= _WRITEBACK:
+                _start_writeback(fd, since, end - since)
+                since = end
+    finally:
+        os.close(gfd)
+
+
+_runs: dict[tuple[str, int, int, int], list[tuple[int, int]]] = {}
+
+
+def golden_runs(golden: Path) -> list[tuple[int, int]]:
+    """(start, end) byte ranges of a golden memory file's non-zero pages. A golden file
+    never changes, so this is computed once per (path, inode, size, mtime): ``compact``
+    computes it in the background, so a wake finds it ready."""
+    st = golden.stat()
+    key = (str(golden), st.st_ino, st.st_size, st.st_mtime_ns)
+    runs = _runs.get(key)
+    if runs is not None:
+        return runs
+    runs = []
+    fd = os.open(golden, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for start, end in _data_ranges(fd, st.st_size):
+            for block in range(start, end, _BLOCK):
+                data = memoryview(_read(fd, block, min(_BLOCK, end - block)))
+                if data == _ZERO_BLOCK[:len(data)]:
+                    continue
+                for p in range(0, len(data), PAGE):
+                    if data[p:p + PAGE] == _ZERO_PAGE[:len(data) - p]:
+                        continue
+                    at = block + p
+                    if runs and runs[-1][1] == at:
+                        runs[-1] = (runs[-1][0], at + min(PAGE, len(data) - p))
+                    else:
+                        runs.append((at, at + min(PAGE, len(data) - p)))
+    finally:
+        os.close(fd)
+    _runs[key] = runs
+    return runs
+
+
+def _start_writeback(fd: int, off: int = 0, n: int = 0) -> None:
+    """Start writing dirty pages (``n`` = 0: to the end) to disk without waiting for them
+    (sync_file_range), so the disk works while we copy and the caller's fsync has less
+    left to wait for; best effort."""
+    libc = _libc()
+    if libc is not None:
+        libc.sync_file_range(fd, ctypes.c_int64(off), ctypes.c_int64(n), _SYNC_FILE_RANGE_WRITE)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.sync_file_range  # noqa: B018 - present on Linux
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def expand(diff: Path, golden: Path, out: Path) -> None:
+    """Rebuild the RAM file ``out`` (in place; mode 0600) from ``golden`` and ``diff``;
+    on failure ``out`` is removed."""
+    size, _ = read_header(diff)  # not a diff (or not this golden's): fail before ``out``
+    if golden.stat().st_size != size:
+        raise DiffError(f"diff is for {size} bytes of RAM, the golden has {golden.stat().st_size}")
+    try:
+        rebuild(diff, golden, out, prepare(golden, out))
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        out.unlink(missing_ok=True)
         raise
-    os.replace(tmp, out)
+
+
+def _copy_range(src: int, dst: int, src_off: int, dst_off: int, n: int) -> None:
+    """Copy ``n`` bytes from ``src_off`` to ``dst_off``: in the kernel where it can
+    (copy_file_range), else through a buffer."""
+    while n > 0:
+        try:
+            done = os.copy_file_range(src, dst, min(n, 1 << 30), src_off, dst_off)
+        except OSError:  # EXDEV (older kernels), EINVAL, ENOSYS: copy it ourselves
+            break
+        if done == 0:
+            break
+        src_off, dst_off, n = src_off + done, dst_off + done, n - done
+    while n > 0:
+        data = os.pread(src, min(n, _BLOCK), src_off)
+        if not data:
+            raise DiffError("a file being copied is shorter than it was")
+        os.pwrite(dst, data, dst_off)
+        src_off, dst_off, n = src_off + len(data), dst_off + len(data), n - len(data)
+
+
+def _read_index(diff: Path, count: int, size: int) -> tuple[int, ...]:
+    """The diff's page numbers, checked: ascending and inside the RAM."""
+    with open(diff, "rb") as d:
+        d.seek(_HEADER.size + count * PAGE)
+        raw = d.read(4 * count)
+    if len(raw) != 4 * count:
+        raise DiffError(f"{diff.name} is truncated")
+    index = struct.unpack(f"<{count}I", raw)
+    if any(a >= b for a, b in zip(index, index[1:], strict=False)):
+        raise DiffError(f"{diff.name}: its page numbers are not ascending")
+    if index and (index[-1] + 1) * PAGE > size:
+        raise DiffError(f"{diff.name} has a page beyond the RAM's {size} bytes")
+    return index
+
+
+def _apply(diff: Path, index: tuple[int, ...], fd: int) -> None:
+    """Write the diff's pages where they belong; runs of consecutive pages in one copy."""
+    dfd = os.open(diff, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        i, count = 0, len(index)
+        while i < count:
+            j = i + 1
+            while j < count and index[j] == index[j - 1] + 1:
+                j += 1
+            _copy_range(dfd, fd, _HEADER.size + i * PAGE, index[i] * PAGE, (j - i) * PAGE)
+            i = j
+    finally:
+        os.close(dfd)

@@ -14,8 +14,10 @@ import asyncio
 import collections
 import contextlib
 import json
+import os
+import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +55,9 @@ class QMPClient:
         await self.execute("qmp_capabilities")
 
     async def execute(self, command: str, arguments: dict[str, Any] | None = None,
-                      timeout: float = 30.0) -> Any:
-        """Run one command and return its ``return`` value; QMP errors raise VMProtocolError."""
+                      timeout: float = 30.0, fds: Sequence[int] = ()) -> Any:
+        """Run one command and return its ``return`` value; QMP errors raise VMProtocolError.
+        ``fds``: file descriptors sent along (SCM_RIGHTS), as ``getfd`` expects."""
         msg: dict[str, Any] = {"execute": command}
         if arguments:
             msg["arguments"] = arguments
@@ -62,7 +65,12 @@ class QMPClient:
             if self._writer is None:
                 raise VMGoneError("QMP is not connected")
             try:
-                self._writer.write(json.dumps(msg).encode() + b"\n")
+                data = json.dumps(msg).encode() + b"\n"
+                if fds:
+                    await self._writer.drain()  # nothing buffered may overtake it
+                    _send_with_fds(self._writer, data, fds)
+                else:
+                    self._writer.write(data)
                 await self._writer.drain()
             except (ConnectionError, OSError) as exc:
                 raise VMGoneError(f"QMP connection lost sending {command}") from exc
@@ -116,3 +124,15 @@ class QMPClient:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+
+def _send_with_fds(writer: asyncio.StreamWriter, data: bytes, fds: Sequence[int]) -> None:
+    """Send ``data`` with ``fds`` attached, on the transport's socket (its buffer is empty).
+    asyncio's socket wrapper has no sendmsg, so through a duplicate of its descriptor."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        raise VMProtocolError("QMP transport has no socket to pass file descriptors on")
+    with socket.socket(fileno=os.dup(sock.fileno())) as raw:
+        sent = socket.send_fds(raw, [data], list(fds))
+    if sent != len(data):  # a QMP command is far smaller than any socket buffer
+        raise VMProtocolError(f"QMP: sent {sent} of {len(data)} bytes with the fds")

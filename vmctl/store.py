@@ -147,31 +147,76 @@ def compact_memory(directory: Path, golden_memory: Path, cancel: threading.Event
     return before - stats.diff_bytes
 
 
-def expand_memory(directory: Path) -> bool:
-    """Undo ``compact_memory`` before a restore: rebuild the memory file from the golden
-    and the diff, record it in the manifest, drop the diff. False if not compact."""
-    from vmctl import memdiff
+@dataclass(frozen=True)
+class Rebuild:
+    """A compact snapshot's memory file, made ready at its final path (``prepare_memory``)
+    and not yet rebuilt."""
+
+    memory: Path
+    diff: Path
+    golden: Path
+    cloned: bool  # holds the golden's pages (a reflink, a spare): only the diff is left to write
+
+
+def prepare_memory(directory: Path, spares: Path | None = None) -> Rebuild | None:
+    """First step of a wake from a compact snapshot: check its diff and make the memory
+    file at its final path, emptied (whatever a crashed rebuild left) and sized, mode
+    0600, so a VMM can map it while ``expand_memory`` rebuilds it in place: a spare copy
+    of the golden's memory from ``spares`` if one is ready (``vmctl.ramspare``; only the
+    diff is left to write), else a reflink or holes. None if the snapshot is not compact
+    (its memory file is whole)."""
+    from vmctl import memdiff, ramspare
     manifest = Manifest.from_json((directory / MANIFEST).read_bytes())
-    entry = dict(manifest.files["memory"])
-    diff_entry = entry.pop("diff", None)
+    entry = manifest.files["memory"]
+    diff_entry = entry.get("diff")
     if diff_entry is None:
-        return False
-    diff = directory / diff_entry["path"]
+        return None
+    diff, golden = directory / diff_entry["path"], Path(diff_entry["golden"])
     if not diff.is_file():
         raise SnapshotError("the snapshot's memory diff is missing")
     _check_stat("memory diff", diff, diff_entry)
     memory = directory / entry["path"]
     try:
-        memdiff.expand(diff, Path(diff_entry["golden"]), memory)
+        size, _ = memdiff.read_header(diff)
+        if golden.stat().st_size != size:
+            raise memdiff.DiffError(f"the diff is for {size} bytes of RAM, the golden "
+                                    f"has {golden.stat().st_size}")
+        cloned = spares is not None and ramspare.take(spares, golden, memory) and \
+            memory.stat().st_size == size
+        if not cloned:
+            cloned = memdiff.prepare(golden, memory)
     except (memdiff.DiffError, OSError) as exc:
         raise SnapshotError(f"cannot rebuild the snapshot's memory: {exc}") from exc
+    return Rebuild(memory, diff, golden, cloned)
+
+
+def expand_memory(directory: Path, prepared: Rebuild | None = None) -> bool:
+    """Undo ``compact_memory`` before a restore: rebuild the memory file (in place, as
+    ``prepare_memory`` made it; prepared here if not given) from the golden and the
+    diff, fsync it, record it in the manifest, drop the diff. False if not compact.
+
+    Crash-safe: the manifest names the diff until the rebuilt file is durable, and a
+    rebuild that did not finish is redone from scratch by the next wake."""
+    from vmctl import memdiff
+    if prepared is None:
+        prepared = prepare_memory(directory)
+        if prepared is None:
+            return False
+    manifest = Manifest.from_json((directory / MANIFEST).read_bytes())
+    entry = dict(manifest.files["memory"])
+    entry.pop("diff", None)
+    try:
+        memdiff.rebuild(prepared.diff, prepared.golden, prepared.memory, prepared.cloned)
+    except (memdiff.DiffError, OSError) as exc:
+        raise SnapshotError(f"cannot rebuild the snapshot's memory: {exc}") from exc
+    memory = prepared.memory
     _fsync(memory)
     faults.point("expand.rebuilt")
     st = memory.stat()
     entry.pop("sha256", None)  # a new file: checked by size and mtime like any suspend's
     entry.update(size=st.st_size, mtime_ns=st.st_mtime_ns)
     _rewrite_manifest(directory, {**manifest.files, "memory": entry})
-    diff.unlink()
+    prepared.diff.unlink()
     return True
 
 

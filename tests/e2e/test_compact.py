@@ -24,8 +24,10 @@ MIB = 1 << 20
 @pytest.fixture(scope="module")
 def config(tmp_path_factory) -> Path:
     text = CONFIG.read_text()
-    assert "\n[vm]\n" in text
+    assert "\n[vm]\n" in text and 'pool = "169.254.64.0/18"' in text
     path = tmp_path_factory.mktemp("compact") / "agentbox.toml"
+    # Its own address pool: other test daemons on this host use the shared one.
+    text = text.replace('pool = "169.254.64.0/18"', 'pool = "169.254.12.0/22"')
     path.write_text(text.replace("\n[vm]\n", "\n[vm]\ncompact_after = 0\n"))
     return path
 
@@ -91,7 +93,16 @@ def test_a_compacted_sandbox_wakes_with_everything(config, tmp_path) -> None:
         entry = _wait_compact(root)
         assert entry["diff"]["size"] < 40 * MIB, entry
         assert _allocated(root) < 40 * MIB
+        # After the compaction, a spare copy of the golden's memory (vm.ram_spares) ...
+        spares = d.data_dir / "sandboxes" / ".ram-spares"
+        deadline = time.monotonic() + 60
+        while not list(spares.glob("*/*.ram")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        [spare] = spares.glob("*/*.ram")
+        inode = spare.stat().st_ino
         _check_intact(api, sid, digest, pid)
+        # ... became the sandbox's RAM file: the wake wrote only the diff into it.
+        assert (root / "memory").stat().st_ino == inode and not list(spares.glob("*/*.ram"))
         assert not (root / "snapshot").exists()  # the wake consumed and dropped it
         # A second cycle: the rebuilt memory file is the sandbox's RAM again.
         _ok(api.post(f"/v1/sandboxes/{sid}/suspend"))
@@ -128,6 +139,48 @@ def test_daemon_killed_while_compacting_or_rebuilding(config, tmp_path, point) -
         stop_daemon(armed)
     manifest = json.loads((root / "snapshot" / "manifest.json").read_text())
     assert "diff" in manifest["files"]["memory"]  # died in the middle, as intended
+    with running_daemon(data, config=config) as d, d.client() as api:
+        _check_intact(api, sid, digest, pid)
+    assert not vmm_pids_for(str(data))
+
+
+def test_daemon_killed_while_the_early_vmm_waits_for_the_rebuild(config, tmp_path) -> None:
+    """A wake starts QEMU (-incoming defer) while it rebuilds the memory in place; the
+    daemon dies in that window (``restore.waiting``: QEMU up and not yet recorded). The
+    QEMU must not outlive the next start-up, and the memory file, rebuilt again from
+    whatever the dead rebuild left, must be the suspended RAM byte for byte."""
+    data = tmp_path / "data"
+    plain = start_daemon(data, config=config)
+    try:
+        with plain.client() as api:
+            sid, digest, pid = _prepare(api)
+        root = data / "sandboxes" / sid
+        sealed = _wait_compact(root)["sha256"]  # the whole RAM file's, hashed at suspend
+    finally:
+        stop_daemon(plain)
+    armed = start_daemon(data, config=config, env={"AGENTBOX_FAULTS": "restore.waiting=1"})
+    try:
+        with armed.client() as api, pytest.raises(httpx.TransportError):
+            api.post(f"/v1/sandboxes/{sid}/execute", json={"command": "true"})
+        armed.proc.wait(120)
+        assert armed.proc.returncode == -signal.SIGKILL, armed.log_tail()
+    finally:
+        stop_daemon(armed)
+    orphans = vmm_pids_for(str(data))
+    assert orphans, "the early QEMU should have been up when the daemon died"
+    assert (root / "memory").exists()  # prepared at its final path before QEMU started
+    recovering = start_daemon(data, config=config)  # (its sandboxes stay: no running_daemon)
+    try:
+        assert not vmm_pids_for(str(data)), "start-up recovery kills the unrecorded QEMU"
+        with recovering.client() as api:
+            assert _ok(api.get(f"/v1/sandboxes/{sid}"))["state"] == "suspended"
+    finally:
+        stop_daemon(recovering)
+    snapshot = root / "snapshot"
+    from vmctl import store  # as the next wake does: from scratch over what is there
+    store.expand_memory(snapshot)
+    assert "diff" not in json.loads((snapshot / "manifest.json").read_text())["files"]["memory"]
+    assert hashlib.sha256((root / "memory").read_bytes()).hexdigest() == sealed
     with running_daemon(data, config=config) as d, d.client() as api:
         _check_intact(api, sid, digest, pid)
     assert not vmm_pids_for(str(data))

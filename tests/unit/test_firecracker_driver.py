@@ -201,6 +201,41 @@ async def test_pause_snapshot_exit_load_resume(root: Path) -> None:
     _assert_gone(driver, pid, spec.workdir)
 
 
+async def test_the_process_starts_before_the_snapshot_is_ready(root: Path) -> None:
+    """restore_when_ready: Firecracker is up (API answering, nothing loaded) when the
+    snapshot is asked for; the load follows it. A snapshot that turns out unusable kills
+    the early process before it was given anything."""
+    snap, _ = await _booted_snapshot(root)
+    spec = _spec(root, "early", disk=root / "early-disk.ext4")
+    driver = FirecrackerDriver()
+    seen: dict[str, Any] = {}
+
+    async def source() -> SnapshotFiles:
+        assert driver.pid is not None and pid_alive(driver.pid)
+        seen["calls"] = await _calls(driver.control_socket)  # type: ignore[arg-type]
+        seen["disk"] = spec.disk.exists()  # copied only once the snapshot is known
+        return snap
+
+    await driver.restore_when_ready(spec, source)
+    try:
+        assert seen == {"calls": [], "disk": False}
+        calls = await _calls(driver.control_socket)  # type: ignore[arg-type]
+        assert [c["path"] for c in calls] == ["/snapshot/load"]
+        assert spec.disk.read_bytes() == snap.disk.read_bytes()
+    finally:
+        await driver.destroy()
+
+    async def unusable() -> SnapshotFiles:
+        seen["pid"] = driver.pid
+        raise SnapshotError("snapshot memory file changed since the snapshot")
+
+    driver = FirecrackerDriver()
+    with pytest.raises(VMStartError) as info:
+        await driver.restore_when_ready(_spec(root, "early2"), unusable)
+    assert isinstance(info.value.__cause__, SnapshotError)
+    assert driver.pid is None and not pid_alive(seen["pid"])
+
+
 async def test_restore_onto_the_snapshot_disk_does_not_copy(root: Path) -> None:
     snap, _ = await _booted_snapshot(root)
     before = snap.disk.stat().st_ino

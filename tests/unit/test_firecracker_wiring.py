@@ -325,12 +325,22 @@ async def test_create_suspend_wake_cold_boot_destroy(host: Host) -> None:
     assert load[0]["body"]["snapshot_path"] == str(snap_dir / "vmstate")
     assert load[0]["body"]["mem_backend"]["backend_path"] == str(snap_dir / "memory")
 
-    # A memory file touched after the suspend is refused before any VMM starts.
+    # A memory file touched after the suspend is refused: the VMM started meanwhile
+    # (vm.overlap_restore) is stopped without being given anything to load; without the
+    # overlap, no VMM starts at all.
     st = (snap_dir / "memory").stat()
     os.utime(snap_dir / "memory", ns=(st.st_atime_ns, st.st_mtime_ns + 1))
     with pytest.raises(RestoreError, match="changed since the snapshot") as info:
         await m.wake()
-    assert info.value.guest_started is False and host.vmms == []
+    assert info.value.guest_started is False and info.value.snapshot_unusable
+    assert _one_vmm(host)["calls"] == [] and m.driver is None
+    overlapped = m.backend
+    m.backend = dataclasses.replace(overlapped, config=dataclasses.replace(
+        overlapped.config, overlap_restore=False))
+    with pytest.raises(RestoreError, match="changed since the snapshot") as info:
+        await m.wake()
+    assert info.value.snapshot_unusable and host.vmms == []
+    m.backend = overlapped
 
     # cold boot: the Firecracker kernel, no initrd, on the sandbox's own disk.
     await m.cold_boot()

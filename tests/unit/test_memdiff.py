@@ -74,3 +74,43 @@ def test_a_damaged_diff_is_refused_and_leaves_nothing(tmp_path: Path, damage: st
     with pytest.raises(memdiff.DiffError):
         memdiff.expand(diff, tmp_path / "g", tmp_path / "o")
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.tmp").exists()
+
+
+def test_a_rebuild_over_what_a_crashed_one_left_is_exact(tmp_path: Path) -> None:
+    """The wake's two steps: ``prepare`` empties whatever is at the final path (a rebuild
+    that died half-way), so the next rebuild gives the same bytes; zero pages stay holes."""
+    rng = random.Random(3)
+    size = 16 * MIB
+    golden, memory = tmp_path / "golden", tmp_path / "memory"
+    _sparse(golden, size, {0: rng.randbytes(2 * MIB) + bytes(MIB) + rng.randbytes(MIB)})
+    _sparse(memory, size, {0: golden.read_bytes()[:4 * MIB], 9 * MIB: b"guest wrote this"})
+    memdiff.compact(memory, golden, tmp_path / "diff")
+    out = tmp_path / "out"
+    out.write_bytes(rng.randbytes(size + 12345))  # junk, and too long
+    os.chmod(out, 0o644)
+    cloned = memdiff.prepare(golden, out)
+    assert out.stat().st_size == size and out.stat().st_mode & 0o777 == 0o600
+    if not cloned:
+        assert out.stat().st_blocks == 0  # emptied: nothing of the junk is left
+    memdiff.rebuild(tmp_path / "diff", golden, out, cloned)
+    assert _digest(out) == _digest(memory)
+    if not cloned:  # the golden's zero MiB was not copied
+        assert out.stat().st_blocks * 512 <= 4 * MIB
+
+
+def test_golden_runs_are_its_non_zero_pages(tmp_path: Path) -> None:
+    page = memdiff.PAGE
+    data = b"a" * page + bytes(page) + b"b" * 2 * page + bytes(3 * page) + b"c" * 10
+    _sparse(tmp_path / "g", 8 * MIB, {MIB: data})
+    assert memdiff.golden_runs(tmp_path / "g") == [
+        (MIB, MIB + page), (MIB + 2 * page, MIB + 4 * page),
+        (MIB + 7 * page, MIB + 8 * page)]  # the whole page its 10 bytes are in
+
+
+def test_a_rebuild_refuses_a_file_of_the_wrong_size(tmp_path: Path) -> None:
+    _sparse(tmp_path / "g", 4 * MIB, {0: b"a" * 8192})
+    _sparse(tmp_path / "m", 4 * MIB, {0: b"b" * 8192})
+    memdiff.compact(tmp_path / "m", tmp_path / "g", tmp_path / "d")
+    (tmp_path / "o").write_bytes(b"short")
+    with pytest.raises(memdiff.DiffError, match="not 4194304"):
+        memdiff.rebuild(tmp_path / "d", tmp_path / "g", tmp_path / "o")

@@ -58,6 +58,53 @@ async def test_negotiates_and_runs_commands(tmp_path):
     await peer.close()
 
 
+async def test_a_file_descriptor_goes_along_with_getfd(tmp_path):
+    """``getfd``: QEMU takes the fd from the command's SCM_RIGHTS; what it reads through
+    it is the file we opened (a confined QEMU cannot open the snapshot itself)."""
+    import os
+    import socket
+
+    path = tmp_path / "q.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+    got: dict = {}
+
+    def serve():  # a blocking peer, reading the way QEMU does (recvmsg, fds and data)
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(b'{"QMP": {"version": {}, "capabilities": []}}\r\n')
+            buf = b""
+            while buf.count(b"\n") < 3:
+                data, fds, _, _ = socket.recv_fds(conn, 4096, 4)
+                if not data:
+                    return
+                buf += data
+                if fds:
+                    got["fds"] = fds
+                    got["cmd"] = data
+                    got["read"] = os.read(fds[0], 100)
+                conn.sendall(b'{"return": {}}\r\n' * data.count(b"\n"))
+
+    state = tmp_path / "vmstate"
+    state.write_bytes(b"device state")
+    thread = asyncio.get_running_loop().run_in_executor(None, serve)
+    qmp = QMPClient()
+    await qmp.connect(path)
+    fd = os.open(state, os.O_RDONLY)
+    try:
+        await qmp.execute("getfd", {"fdname": "vmstate"}, fds=(fd,))
+    finally:
+        os.close(fd)
+    await qmp.execute("query-status")  # the connection goes on as before
+    await qmp.close()
+    await thread
+    server.close()
+    assert got["read"] == b"device state" and b'"getfd"' in got["cmd"]
+    for received in got["fds"]:
+        os.close(received)
+
+
 async def test_errors_become_typed(tmp_path):
     peer = FakeQMP(tmp_path / "q.sock", {"cont": {"error": {"class": "GenericError",
                                                             "desc": "nope"}}})

@@ -19,8 +19,10 @@ Snapshot: pause (idempotent), ``PUT /snapshot/create`` (Full) into
 (``cp --reflink=auto --sparse=always``). Guest RAM lives in anonymous memory
 while a freshly booted VM runs; ``spec.mem_file`` is not used by this driver.
 
-Restore: a *fresh* process, ``PUT /snapshot/load`` with the File memory backend
-(mapped MAP_PRIVATE: the memory file must stay unchanged while the VM runs) and
+Restore: a *fresh* process (started first, so it comes up while the caller still
+verifies the snapshot: ``Driver.restore_when_ready``), ``PUT /snapshot/load`` with
+the File memory backend (mapped MAP_PRIVATE: the memory file must stay unchanged
+while the VM runs) and
 ``resume_vm``. Firecracker exits when a load fails; we wait for that, raise a
 SnapshotError (wrapped in VMStartError by ``Driver._start``) and the base class
 removes what is left. Snapshots are only restored by the exact Firecracker
@@ -45,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vmctl.console import DEFAULT_CONSOLE_LOG_BYTES, ConsoleLog, console_fifo
-from vmctl.driver import Driver
+from vmctl.driver import Driver, SnapshotSource
 from vmctl.drivers.fc_api import (
     ROOT_DRIVE_PATH,
     FirecrackerAPI,
@@ -261,14 +263,18 @@ class FirecrackerDriver(Driver):
         for method, path, body in boot_requests(spec, kernel, initrd, spec.netns is not None):
             await self._call().request(method, path, body)
 
-    async def _restore(self, snapshot: SnapshotFiles, spec: VMSpec,
+    async def _restore(self, snapshot: SnapshotSource, spec: VMSpec,
                        before_resume: Callable[[], None]) -> None:
-        tap_override = check_snapshot(snapshot, spec)
-        await _restore_disk(snapshot.disk, spec.disk)
-        binary = await self._prepare(spec)
-        state = self._expose(snapshot.state, STATE_FILE)
-        memory = self._expose(snapshot.memory, MEMORY_FILE)
+        # The process (and its jail) first: Firecracker opens the snapshot's files only at
+        # /snapshot/load, so they may still be being verified meanwhile.
+        binary = await self._prepare(spec, link_rootfs=False)
         await self._spawn(spec, binary)
+        snap = await snapshot()
+        tap_override = check_snapshot(snap, spec)
+        await _restore_disk(snap.disk, spec.disk)
+        self._link_rootfs(spec.disk)  # after the copy: a hard link names one inode
+        state = self._expose(snap.state, STATE_FILE)
+        memory = self._expose(snap.memory, MEMORY_FILE)
         body = snapshot_load_body(state, memory, tap_override, self.version or "")
         before_resume()  # the load resumes the VM at once (resume_vm), on the snapshot's disk
         try:
@@ -276,7 +282,7 @@ class FirecrackerDriver(Driver):
         except VmctlError as exc:
             code = await self._wait_exit(2.0)
             fate = "still running" if code is None else f"exited with code {code}"
-            raise SnapshotError(f"firecracker could not load {snapshot.state}: {exc} "
+            raise SnapshotError(f"firecracker could not load {snap.state}: {exc} "
                                 f"(VMM {fate})") from exc
         info = await self._call().get("/")
         if info.get("state") != "Running":
@@ -376,7 +382,7 @@ class FirecrackerDriver(Driver):
             raise VMProtocolError("firecracker API is not connected")
         return self._api
 
-    async def _prepare(self, spec: VMSpec) -> str:
+    async def _prepare(self, spec: VMSpec, link_rootfs: bool = True) -> str:
         """Check the binary and host, and lay out the files the VMM will open."""
         if spec.accel is not Accel.KVM:
             raise VMStartError(f"firecracker runs on KVM only; spec.accel is {spec.accel.value}")
@@ -391,7 +397,8 @@ class FirecrackerDriver(Driver):
             self._jail = jail_root(self.jailer, binary, spec.vm_id)
             shutil.rmtree(self._jail.parent, ignore_errors=True)  # a stale jail of this id
             self._jail.mkdir(parents=True)
-        self._link_rootfs(spec.disk)
+        if link_rootfs:
+            self._link_rootfs(spec.disk)
         return binary
 
     def _link_rootfs(self, disk: Path) -> None:

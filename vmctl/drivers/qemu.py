@@ -13,7 +13,8 @@ only ``-incoming`` is appended on restore.
 
 Confinement (``vmctl.confine``): a confined QEMU chroots into its VM directory,
 drops to the sandbox's uid and may not spawn processes, so migration never uses
-``exec:``. A restore hands QEMU the open device-state file (``fd:N``); a
+``exec:``. A restore hands QEMU the open device-state file over QMP (``getfd``,
+then ``fd:vmstate``), which also lets QEMU start before the snapshot is ready; a
 snapshot has QEMU connect to a Unix socket the driver listens on inside the
 chroot and the driver writes what arrives to the file. The console goes to a
 socket too (``vmctl.console``: a capped log, not a file the guest can grow).
@@ -29,13 +30,14 @@ from pathlib import Path
 
 from vmctl import cgroup, confine, faults
 from vmctl.console import DEFAULT_CONSOLE_LOG_BYTES, ConsoleLog
-from vmctl.driver import Driver
+from vmctl.driver import Driver, SnapshotSource
 from vmctl.errors import SnapshotError, VMStartError, VMTimeoutError, VmctlError
 from vmctl.qmp import QMPClient
 from vmctl.spec import Accel, SnapshotFiles, VMMRecord, VMSpec
 
 QEMU_BINARY = "qemu-system-x86_64"
 STATE_FILE = "vmstate"
+STATE_FD_NAME = "vmstate"  # the device-state file's name on QMP (getfd)
 MIGRATE_SOCKET = "migrate.sock"
 CONSOLE_SOCKET = "console.sock"
 CONSOLE_LOG = "console.log"
@@ -110,26 +112,33 @@ class QemuDriver(Driver):
     async def _boot(self, spec: VMSpec) -> None:
         await self._spawn(spec, [])
 
-    async def _restore(self, snapshot: SnapshotFiles, spec: VMSpec,
+    async def _restore(self, snapshot: SnapshotSource, spec: VMSpec,
                        before_resume: Callable[[], None]) -> None:
-        if snapshot.driver != self.name:
-            raise SnapshotError(f"snapshot was taken by {snapshot.driver!r}, not qemu")
-        if snapshot.accel is not spec.accel:
-            raise SnapshotError(f"snapshot was taken under {snapshot.accel.value}, "
-                                f"this host runs {spec.accel.value}")
-        if not snapshot.state.is_file():
-            raise SnapshotError(f"snapshot state {snapshot.state} is missing")
         # -S: the guest stays paused after the load whatever state the stream carries,
         # so nothing runs before ``before_resume`` has marked the snapshot consumed.
-        # The state file is opened here and inherited (QEMU may not open or spawn later).
-        state_fd = os.open(snapshot.state, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            await self._spawn(spec, ["-S", "-incoming", "defer"], pass_fds=(state_fd,))
-        finally:
-            os.close(state_fd)
+        # -incoming defer: QEMU starts, maps the RAM file (it touches no guest RAM while
+        # it waits for an incoming state) and waits; the snapshot may still be being
+        # rebuilt into that file or verified meanwhile (``restore_when_ready``).
+        await self._spawn(spec, ["-S", "-incoming", "defer"])
         await self._qmp.execute("migrate-set-capabilities", {"capabilities": [
             {"capability": "x-ignore-shared", "state": True}]})
-        await self._qmp.execute("migrate-incoming", {"uri": f"fd:{state_fd}"})
+        faults.point("restore.waiting")
+        snap = await snapshot()
+        if snap.driver != self.name:
+            raise SnapshotError(f"snapshot was taken by {snap.driver!r}, not qemu")
+        if snap.accel is not spec.accel:
+            raise SnapshotError(f"snapshot was taken under {snap.accel.value}, "
+                                f"this host runs {spec.accel.value}")
+        if not snap.state.is_file():
+            raise SnapshotError(f"snapshot state {snap.state} is missing")
+        # The state file is opened here and handed over on the QMP socket (a confined
+        # QEMU can open nothing itself any more).
+        state_fd = os.open(snap.state, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            await self._qmp.execute("getfd", {"fdname": STATE_FD_NAME}, fds=(state_fd,))
+        finally:
+            os.close(state_fd)
+        await self._qmp.execute("migrate-incoming", {"uri": f"fd:{STATE_FD_NAME}"})
         faults.point("restore.loading")
         await self._wait_running(timeout=30.0, before_resume=before_resume)
 
