@@ -11,9 +11,13 @@ str hash seed; more modules are already in ``sys.modules``).
 :class:`ZygoteChild` quacks like the ``asyncio.subprocess.Process`` that
 :class:`guest.execution.Executor` waits for, so timeouts (``killpg`` of the
 child's session), output capture, the exec owner and ``Health.running`` work as
-for any command. The zygote reports each child's exit status over the control
-socket; if the zygote itself dies, its children's groups are killed and their
-execs fail (``lost``), since nobody can tell how they ended.
+for any command. A child that ends its script normally writes its exit status to
+its own status pipe just before it exits (early completion, see
+``guest/zygote_worker.py``), so the exec is answered without waiting for the
+kernel to tear the process down; the zygote's report over the control socket
+(after it reaped the child) covers every other ending. If the zygote itself dies,
+the groups of its children still running are killed and their execs fail
+(``lost``), since nobody can tell how they ended.
 
 :class:`ZygoteManager` decides, per exec, whether the zygote may run it: it
 must be up (a start in progress is waited for, so a golden snapshot's warm-up
@@ -33,6 +37,7 @@ import logging
 import os
 import shutil
 import socket
+import tempfile
 import time
 
 from guest.execution import kill_group
@@ -62,14 +67,25 @@ class ZygoteLost(Exception):
     """The zygote died while a child of it ran: its exit status is unknown."""
 
 
-class ZygoteChild:
-    """One forked exec, waited for like an ``asyncio.subprocess.Process``."""
+STATUS_BYTES = 16  # a child's status report: a decimal exit code
 
-    def __init__(self, pid: int) -> None:
+
+class ZygoteChild:
+    """One forked exec, waited for like an ``asyncio.subprocess.Process``.
+
+    ``status_path``: where the child reports its exit status when it finishes its
+    script normally; read once both of its output pipes have reached EOF."""
+
+    def __init__(self, pid: int, status_path: str) -> None:
         self.pid = pid
         self.returncode: int | None = None
         self.lost = False
         self._done = asyncio.get_running_loop().create_future()
+        self._status_path = status_path
+
+    @property
+    def done(self) -> bool:
+        return self._done.done()
 
     async def wait(self) -> int:
         await asyncio.shield(self._done)
@@ -80,6 +96,42 @@ class ZygoteChild:
         if not self._done.done():
             self.returncode, self.lost = returncode, lost
             self._done.set_result(None)
+        _unlink_quietly(self._status_path)
+
+    def watch(self, closed: list[asyncio.Future[None]]) -> None:
+        """Once every output pipe is at EOF, take the child's own status report if
+        it wrote one (else the zygote's returncode message will come)."""
+        pending = set(closed)
+
+        def one_closed(fut: asyncio.Future[None]) -> None:
+            pending.discard(fut)
+            if not pending and not self.done:
+                code = _read_status(self._status_path)
+                if code is not None:
+                    self.exited(code)
+
+        for fut in closed:
+            fut.add_done_callback(one_closed)
+
+
+def _status_root() -> str | None:
+    return "/run" if os.access("/run", os.W_OK) else None  # None: tempfile's default
+
+
+def _read_status(path: str) -> int | None:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(STATUS_BYTES)
+    except OSError:
+        return None
+    return int(data) if data.isdigit() else None
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 class Zygote:
@@ -97,6 +149,8 @@ class Zygote:
         self._replies: dict[int, asyncio.Future[dict]] = {}
         self._children: dict[int, ZygoteChild] = {}
         self._next_id = 0
+        # Early-completion status files (``ZygoteChild``), on tmpfs; removed with us.
+        self.status_dir = tempfile.mkdtemp(prefix="agentbox-zygote-", dir=_status_root())
 
     @property
     def alive(self) -> bool:
@@ -155,6 +209,7 @@ class Zygote:
 
     def _gone(self) -> None:
         """The control socket hit EOF: the zygote exited (stale, killed, crashed)."""
+        shutil.rmtree(self.status_dir, ignore_errors=True)
         if self.sock is not None:
             self._loop.remove_reader(self.sock.fileno())
             self.sock.close()
@@ -166,8 +221,9 @@ class Zygote:
                 reply.set_exception(ZygoteLost("the zygote exited"))
         self._replies.clear()
         for child in self._children.values():
-            kill_group(child.pid)
-            child.exited(-9, lost=True)
+            if not child.done:  # one that reported its status may have left a background tree
+                kill_group(child.pid)
+                child.exited(-9, lost=True)
         self._children.clear()
 
     async def fork(self, script: str, cwd: str, env: dict[str, str],
@@ -176,7 +232,9 @@ class Zygote:
         if self.sock is None or self.stale:
             return None
         self._next_id += 1
-        msg = json.dumps({"id": self._next_id, "script": script, "cwd": cwd, "env": env})
+        status = os.path.join(self.status_dir, str(self._next_id))
+        msg = json.dumps({"id": self._next_id, "script": script, "cwd": cwd, "env": env,
+                          "status": status})
         if len(msg) > MAX_MESSAGE:
             return None
         reply = self._loop.create_future()
@@ -197,7 +255,7 @@ class Zygote:
         if "pid" not in answer:
             log.warning("zygote: %s", answer.get("error"))
             return None
-        child = ZygoteChild(answer["pid"])
+        child = ZygoteChild(answer["pid"], status)
         self._children[child.pid] = child
         return child
 

@@ -296,3 +296,54 @@ def test_add_entropy_reseeds_the_crng():
     calls = []
     restore.add_entropy(b"x" * 16, ioctl=lambda fd, op, *arg: calls.append(op))
     assert calls == [restore.RNDADDENTROPY, restore.RNDRESEEDCRNG]
+
+
+async def _stopped_zygote_run(tmp_path, body: str) -> tuple[ExecResult, float]:
+    """Run ``body`` after the child has started, with its zygote stopped (SIGSTOP): the
+    zygote cannot reap the child or report it, so only the child's own report can end
+    the exec. Returns the result and how long the exec took."""
+    executor = executor_with()
+    pidfile = tmp_path / "pid"
+    code = (f"import os, sys, time; open('{pidfile}', 'w').write(str(os.getpid()))\n"
+            f"time.sleep(0.5)\n{body}")
+    try:
+        await executor.run(ExecRequest(code="pass"))  # the zygote is up
+        zygote = executor.zygote.current.proc.pid
+        started = time.monotonic()
+        task = asyncio.create_task(executor.run(ExecRequest(code=code, timeout=20)))
+        await read_pid(pidfile)
+        os.kill(zygote, signal.SIGSTOP)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=5)
+        finally:
+            os.kill(zygote, signal.SIGCONT)
+        result = await task
+        return result, (time.monotonic() - started) if done else float("inf")
+    finally:
+        await executor.zygote.aclose()
+
+
+async def test_a_finished_child_reports_its_own_status_before_its_zygote_reaps_it(tmp_path):
+    result, took = await _stopped_zygote_run(tmp_path, "print('out'); sys.exit(3)")
+    assert took < 5, "the exec waited for the stopped zygote"
+    assert (result.stdout, result.exit_code, result.timed_out) == ("out\n", 3, False)
+
+
+async def test_a_child_killed_by_a_signal_is_known_from_its_zygote(tmp_path):
+    # No report (it never returns from its script): only the zygote, once continued, knows.
+    result, took = await _stopped_zygote_run(tmp_path, "os.kill(os.getpid(), 9)")
+    assert took == float("inf")
+    assert result.exit_code == -9
+
+
+async def test_a_forked_grandchild_does_not_speak_for_the_child(tmp_path):
+    # The user's fork returns through the script too; only the child's status counts.
+    code = ("import os, sys, time\n"
+            "if os.fork() == 0:\n    sys.exit(7)\n"
+            "time.sleep(0.3)\nsys.exit(5)")
+    executor = executor_with()
+    try:
+        for _ in range(3):
+            assert (await executor.run(ExecRequest(code=code))).exit_code == 5
+    finally:
+        await executor.zygote.aclose()
