@@ -32,6 +32,7 @@ replaced by a new one; old ones finish their running children first.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -114,6 +115,27 @@ class ZygoteChild:
             fut.add_done_callback(one_closed)
 
 
+class Spare:
+    """Our end of a spare child's socket, and the zygote's staleness mtimes then."""
+
+    def __init__(self, pid: int, sock: socket.socket, watch: dict[str, int]) -> None:
+        self.pid, self.sock, self.watch = pid, sock, watch
+
+    def current(self) -> bool:
+        """Whether a fresh python3 would still see the packages the spare sees."""
+        return all(_mtime(path) == mtime for path, mtime in self.watch.items())
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _mtime(path: str) -> int:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return -1
+
+
 def _status_root() -> str | None:
     return "/run" if os.access("/run", os.W_OK) else None  # None: tempfile's default
 
@@ -149,6 +171,7 @@ class Zygote:
         self._replies: dict[int, asyncio.Future[dict]] = {}
         self._children: dict[int, ZygoteChild] = {}
         self._next_id = 0
+        self.spare: Spare | None = None  # a child forked ahead of need (the worker's doc)
         # Early-completion status files (``ZygoteChild``), on tmpfs; removed with us.
         self.status_dir = tempfile.mkdtemp(prefix="agentbox-zygote-", dir=_status_root())
 
@@ -182,15 +205,36 @@ class Zygote:
     def _readable(self) -> None:
         assert self.sock is not None
         try:
-            data = self.sock.recv(MAX_MESSAGE)
+            data, fds, _, _ = socket.recv_fds(self.sock, MAX_MESSAGE, 1)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data = b""
+            data, fds = b"", []
         if not data:
+            for fd in fds:
+                os.close(fd)
             self._gone()
             return
-        self._handle(json.loads(data))
+        msg = json.loads(data)
+        if msg.get("type") == "spare" and len(fds) == 1:
+            self._new_spare(Spare(msg["pid"], socket.socket(fileno=fds[0]), msg["watch"]))
+            return
+        for fd in fds:
+            os.close(fd)
+        self._handle(msg)
+
+    def _new_spare(self, spare: Spare) -> None:
+        if self.spare is not None:
+            self.spare.close()
+        self.spare = spare
+        if self.stale:
+            self._drop_spare()
+
+    def _drop_spare(self) -> None:
+        """Close our end of the spare's socket: it exits unused (the zygote reaps it)."""
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            spare.close()
 
     def _handle(self, msg: dict) -> None:
         if msg.get("type") == "ready":
@@ -200,6 +244,8 @@ class Zygote:
             child = self._children.pop(msg["pid"], None)
             if child is not None:
                 child.exited(msg["returncode"])
+            elif self.spare is not None and self.spare.pid == msg["pid"]:
+                self._drop_spare()  # it died while it waited
         else:
             reply = self._replies.pop(msg["id"], None)
             if reply is not None and not reply.done():
@@ -210,6 +256,7 @@ class Zygote:
     def _gone(self) -> None:
         """The control socket hit EOF: the zygote exited (stale, killed, crashed)."""
         shutil.rmtree(self.status_dir, ignore_errors=True)
+        self._drop_spare()
         if self.sock is not None:
             self._loop.remove_reader(self.sock.fileno())
             self.sock.close()
@@ -237,6 +284,15 @@ class Zygote:
                           "status": status})
         if len(msg) > MAX_MESSAGE:
             return None
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            with contextlib.closing(spare):
+                if not spare.current():
+                    self.stale = True  # the zygote would say so too
+                    return None
+                child = self._hand(spare, msg.encode(), out_w, err_w, status)
+            if child is not None:
+                return child
         reply = self._loop.create_future()
         self._replies[self._next_id] = reply
         try:
@@ -259,8 +315,21 @@ class Zygote:
         self._children[child.pid] = child
         return child
 
+    def _hand(self, spare: Spare, msg: bytes, out_w: int, err_w: int,
+              status: str) -> ZygoteChild | None:
+        """Give a request to the spare (it is the zygote's child: the zygote reports
+        its exit); None if the spare is gone (the caller asks the zygote instead)."""
+        try:
+            socket.send_fds(spare.sock, [msg], [out_w, err_w])
+        except OSError:
+            return None
+        child = ZygoteChild(spare.pid, status)
+        self._children[child.pid] = child
+        return child
+
     def retire(self) -> None:
         """Ask the zygote to exit once its running children are done."""
+        self._drop_spare()
         self.stale = True
         if self.sock is not None:
             try:

@@ -28,6 +28,20 @@ remember the mtimes of the ``sys.path`` directories; when one changes we refuse
 new forks (``{"id", "stale": true}``) and exit once our children are done. The
 agent then runs that call with plain ``python3`` and starts a new zygote.
 
+The spare. Forking costs more than a short script: the fork copies our page
+tables, and afterwards both processes take a copy-on-write fault for every page
+they write (dozens of milliseconds under emulation). So once nothing of ours has
+run for ``SPARE_IDLE`` seconds we fork one *spare* child ahead of need and send
+the agent ``{"type": "spare", "pid", "watch"}`` with the spare's socket
+(SCM_RIGHTS). The spare does the part of the set-up that needs no request (new
+session, stdin /dev/null, other fds closed), walks through what a run writes
+(``rehearse``) and waits on that socket. The agent sends a request straight to
+it (the same message as to us; we are not woken), and it finishes its set-up and
+runs it; the agent checks ``watch`` (our staleness mtimes) first. If the agent
+closes the socket instead, the spare exits unused. It is still our child: we
+reap it and report its returncode like any other. A request that finds no spare
+comes to us and forks as before.
+
 Early completion. Under emulation a child's exit (the kernel tearing down its
 copy-on-write address space) and our reaping cost more than running ``print(1)``.
 So a child that finishes its script normally first writes its exit status
@@ -60,6 +74,7 @@ import types
 import warnings
 
 MAX_MESSAGE = 256 * 1024
+SPARE_IDLE = 0.05  # seconds without a request before a spare child is forked
 TOP_FD = 1 << 20  # closerange end: the kernel clamps it to what is open
 
 
@@ -91,7 +106,13 @@ class Zygote:
     def serve(self) -> None:
         self.send({"type": "ready", "pid": os.getpid(), "python": sys.executable})
         while self.children or not self.stale:
-            for key, _ in self.sel.select():
+            # Only while nothing of ours runs (no exec, no unused spare): a spare must
+            # not take CPU from the user's code.
+            want_spare = not self.children and not self.stale
+            events = self.sel.select(SPARE_IDLE if want_spare else None)
+            if not events and want_spare:
+                self.fork_spare()
+            for key, _ in events:
                 if key.fileobj is self.ctl:
                     if not self.receive():
                         return  # the agent is gone: our children are init's now
@@ -142,6 +163,66 @@ class Zygote:
         _, status = os.waitpid(pid, 0)
         self.send({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
 
+    def fork_spare(self) -> None:
+        """Fork a spare child and hand the agent its socket (``{"type": "spare"}``).
+        At idle priority, the fork and the spare's rehearsal alike: a request that
+        arrives meanwhile goes first."""
+        background()
+        try:
+            self._fork_spare()
+        finally:
+            foreground()
+
+    def _fork_spare(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+        except OSError:
+            ours.close()
+            theirs.close()
+            return
+        if pid == 0:
+            ours.close()
+            self.become_spare(theirs)  # never returns
+        theirs.close()
+        pidfd = os.pidfd_open(pid)
+        self.children[pidfd] = pid
+        self.sel.register(pidfd, selectors.EVENT_READ)
+        msg = {"type": "spare", "pid": pid, "watch": self.watch}
+        try:
+            socket.send_fds(self.ctl, [json.dumps(msg).encode()], [ours.fileno()])
+        except OSError:
+            pass  # the agent is gone; the spare sees EOF and exits
+        ours.close()
+
+    def become_spare(self, sock: socket.socket) -> None:
+        """A child forked ahead of need: set up what needs no request, then wait on
+        ``sock`` (the agent holds its other end) for one; EOF: exit unused."""
+        try:
+            self.sel.close()
+            self.ctl.close()
+            for pidfd in self.children:
+                os.close(pidfd)
+            fd = os.dup2(sock.detach(), SPARE_FD)
+            prepare_early(keep=SPARE_FD)
+            rehearse()
+            sock = socket.socket(fileno=fd)
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
+            sock.close()
+            if not data or len(fds) != 2:
+                os._exit(0)
+            foreground()
+            req = json.loads(data)
+            prepare_late(req, *fds)
+        except BaseException as exc:
+            try:
+                os.write(2, f"agentbox zygote: cannot start: {exc!r}\n".encode())
+            finally:
+                os._exit(120)
+        self.run_child(req)
+
     def become_child(self, req: dict, fds: list[int]) -> None:
         try:
             out, err = fds
@@ -149,12 +230,18 @@ class Zygote:
             self.ctl.close()
             for pidfd in self.children:
                 os.close(pidfd)
-            prepare_process(req, out, err)
+            os.dup2(out, 1)  # before the fds above 2 are closed
+            os.dup2(err, 2)
+            prepare_early()
+            prepare_late(req, 1, 2)
         except BaseException as exc:  # nothing of ours may run on in the child
             try:
                 os.write(2, f"agentbox zygote: cannot start: {exc!r}\n".encode())
             finally:
                 os._exit(120)
+        self.run_child(req)
+
+    def run_child(self, req: dict) -> None:
         me = os.getpid()
         code = run_script(req["script"])
         if os.getpid() == me and req.get("status"):  # not a process the user's code forked
@@ -162,19 +249,64 @@ class Zygote:
         os._exit(code)
 
 
-def prepare_process(req: dict, out: int, err: int) -> None:
-    """Turn the forked copy into what ``python3 -u SCRIPT`` would have started as."""
+SPARE_FD = 3  # a spare's request socket until it has its request
+
+
+def prepare_early(keep: int | None = None) -> None:
+    """The request-independent half of ``python3``'s start: own session, stdin
+    /dev/null, every fd above 2 closed (but ``keep``)."""
     os.setsid()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    os.dup2(out, 1)
-    os.dup2(err, 2)
-    os.closerange(3, TOP_FD)
+    if keep is None:
+        os.closerange(3, TOP_FD)
+    else:
+        os.closerange(3, keep)
+        os.closerange(keep + 1, TOP_FD)
+
+
+def prepare_late(req: dict, out: int, err: int) -> None:
+    """The rest, from the request: what ``python3 -u SCRIPT`` would have started as."""
+    if (out, err) != (1, 2):
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        os.close(out)
+        os.close(err)
     os.chdir(req["cwd"])
     set_environ(req["env"])
     script = req["script"]
     sys.argv[:] = [script]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    importlib.invalidate_caches()
+    reseed()
+
+
+def background() -> None:
+    """SCHED_IDLE: run only when nothing else in the guest wants the CPU."""
+    _policy(os.SCHED_IDLE)
+
+
+def foreground() -> None:
+    """Back to the normal policy (what a fresh ``python3`` has)."""
+    _policy(os.SCHED_OTHER)
+
+
+def _policy(policy: int) -> None:
+    try:
+        os.sched_setscheduler(0, policy, os.sched_param(0))
+    except OSError:
+        pass  # not permitted: the spare merely competes for the CPU
+
+
+def rehearse() -> None:
+    """Walk a spare through what running a script writes (a compile, an exec, the
+    environ, the import caches, the random state) while it waits, so that the
+    copy-on-write faults those pages cost are taken now rather than during the
+    request. Its output goes to the zygote's stdout (/dev/null)."""
+    scratch = types.ModuleType("__main__")
+    scratch.__dict__.update(__builtins__=builtins)
+    exec(compile("print(end='')\n", "<spare>", "exec"), scratch.__dict__)
+    set_environ(dict(os.environ))
     importlib.invalidate_caches()
     reseed()
 
@@ -201,8 +333,7 @@ def report(code: int, path: str) -> None:
         os.dup2(null, 1)
         os.dup2(null, 2)
         os.close(null)
-        # What is left is the kernel tearing us down: let the agent's answer go first.
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        background()  # what is left is the kernel tearing us down: the answer goes first
     except OSError:
         pass  # the agent gets our returncode from the zygote instead
 
