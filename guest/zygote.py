@@ -49,6 +49,7 @@ START_TIMEOUT = 120.0  # preloading pandas + matplotlib under TCG takes many sec
 RETRY_AFTER = 30.0  # after a failed start, execs use plain python3 for this long
 MAX_MESSAGE = 256 * 1024  # larger requests (huge env) go the plain python3 way
 STOP_TIMEOUT = 5.0
+SPARE_WAIT = 2.0  # longest an exec waits for a spare being forked before forking its own
 _STARTUP_NAMES = {"HOME", "LANG", "LANGUAGE", "TZ", "MPLBACKEND", "MPLCONFIGDIR",
                   "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                   "LD_PRELOAD", "LD_LIBRARY_PATH"}
@@ -129,6 +130,17 @@ class Spare:
         self.sock.close()
 
 
+def raise_priority(pid: int | None) -> None:
+    """Back to the normal policy: the zygote while it forks a spare, and a spare, run
+    at SCHED_IDLE, which a CPU-bound process in the guest would starve."""
+    if pid is None:
+        return
+    try:
+        os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
+    except OSError:
+        pass  # gone, or not ours to change: it runs when the CPU is free
+
+
 def _mtime(path: str) -> int:
     try:
         return os.stat(path).st_mtime_ns
@@ -172,6 +184,7 @@ class Zygote:
         self._children: dict[int, ZygoteChild] = {}
         self._next_id = 0
         self.spare: Spare | None = None  # a child forked ahead of need (the worker's doc)
+        self._spare_coming: asyncio.Future[None] | None = None  # the zygote is forking one
         # Early-completion status files (``ZygoteChild``), on tmpfs; removed with us.
         self.status_dir = tempfile.mkdtemp(prefix="agentbox-zygote-", dir=_status_root())
 
@@ -223,12 +236,15 @@ class Zygote:
             os.close(fd)
         self._handle(msg)
 
-    def _new_spare(self, spare: Spare) -> None:
+    def _new_spare(self, spare: Spare | None) -> None:
         if self.spare is not None:
             self.spare.close()
         self.spare = spare
         if self.stale:
             self._drop_spare()
+        coming, self._spare_coming = self._spare_coming, None
+        if coming is not None and not coming.done():
+            coming.set_result(None)
 
     def _drop_spare(self) -> None:
         """Close our end of the spare's socket: it exits unused (the zygote reaps it)."""
@@ -240,6 +256,11 @@ class Zygote:
         if msg.get("type") == "ready":
             if not self._ready.done():
                 self._ready.set_result(None)
+        elif msg.get("type") == "forking":
+            if self._spare_coming is None:
+                self._spare_coming = self._loop.create_future()
+        elif msg.get("type") == "no-spare":
+            self._new_spare(None)
         elif "returncode" in msg:
             child = self._children.pop(msg["pid"], None)
             if child is not None:
@@ -256,7 +277,7 @@ class Zygote:
     def _gone(self) -> None:
         """The control socket hit EOF: the zygote exited (stale, killed, crashed)."""
         shutil.rmtree(self.status_dir, ignore_errors=True)
-        self._drop_spare()
+        self._new_spare(None)
         if self.sock is not None:
             self._loop.remove_reader(self.sock.fileno())
             self.sock.close()
@@ -279,11 +300,17 @@ class Zygote:
         if self.sock is None or self.stale:
             return None
         self._next_id += 1
-        status = os.path.join(self.status_dir, str(self._next_id))
-        msg = json.dumps({"id": self._next_id, "script": script, "cwd": cwd, "env": env,
+        req_id = self._next_id  # ours: others may take ids while we wait for a spare
+        status = os.path.join(self.status_dir, str(req_id))
+        msg = json.dumps({"id": req_id, "script": script, "cwd": cwd, "env": env,
                           "status": status})
         if len(msg) > MAX_MESSAGE:
             return None
+        if self.spare is None and self._spare_coming is not None:
+            # Being forked: waiting for it is never slower than a second fork.
+            raise_priority(self.proc.pid if self.proc else None)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._spare_coming), SPARE_WAIT)
         spare, self.spare = self.spare, None
         if spare is not None:
             with contextlib.closing(spare):
@@ -293,12 +320,14 @@ class Zygote:
                 child = self._hand(spare, msg.encode(), out_w, err_w, status)
             if child is not None:
                 return child
+        if self.sock is None:
+            return None  # gone while we waited
         reply = self._loop.create_future()
-        self._replies[self._next_id] = reply
+        self._replies[req_id] = reply
         try:
             socket.send_fds(self.sock, [msg.encode()], [out_w, err_w])
         except OSError as exc:
-            self._replies.pop(self._next_id, None)
+            self._replies.pop(req_id, None)
             log.warning("zygote: cannot send a request: %s", exc)
             return None
         try:
@@ -319,6 +348,7 @@ class Zygote:
               status: str) -> ZygoteChild | None:
         """Give a request to the spare (it is the zygote's child: the zygote reports
         its exit); None if the spare is gone (the caller asks the zygote instead)."""
+        raise_priority(spare.pid)  # it waits at idle priority
         try:
             socket.send_fds(spare.sock, [msg], [out_w, err_w])
         except OSError:

@@ -30,17 +30,21 @@ agent then runs that call with plain ``python3`` and starts a new zygote.
 
 The spare. Forking costs more than a short script: the fork copies our page
 tables, and afterwards both processes take a copy-on-write fault for every page
-they write (dozens of milliseconds under emulation). So once nothing of ours has
-run for ``SPARE_IDLE`` seconds we fork one *spare* child ahead of need and send
-the agent ``{"type": "spare", "pid", "watch"}`` with the spare's socket
-(SCM_RIGHTS). The spare does the part of the set-up that needs no request (new
-session, stdin /dev/null, other fds closed), walks through what a run writes
-(``rehearse``) and waits on that socket. The agent sends a request straight to
-it (the same message as to us; we are not woken), and it finishes its set-up and
-runs it; the agent checks ``watch`` (our staleness mtimes) first. If the agent
-closes the socket instead, the spare exits unused. It is still our child: we
-reap it and report its returncode like any other. A request that finds no spare
-comes to us and forks as before.
+they write (dozens of milliseconds under emulation). So whenever no child of ours
+is alive we fork one *spare* child ahead of need, at idle priority (SCHED_IDLE:
+it takes only CPU nobody else wants, typically while the host relays the last
+answer). We tell the agent ``{"type": "forking"}`` first, then
+``{"type": "spare", "pid", "watch"}`` with the spare's socket (SCM_RIGHTS), or
+``{"type": "no-spare"}`` if the fork failed. The spare does the part of the
+set-up that needs no request (new session, stdin /dev/null, other fds closed),
+walks through what a run writes (``rehearse``) unless a request is already
+waiting, and waits on that socket. The agent sends a request straight to it (the
+same message as to us; we are not woken) after raising it to the normal policy,
+and checks ``watch`` (our staleness mtimes) first; a request that comes while a
+spare is being forked waits for it rather than forking a second child. If the
+agent closes the socket instead, the spare exits unused. It is still our child:
+we reap it and report its returncode like any other. A request that finds no
+spare (two at once, or a stale zygote) comes to us and forks as before.
 
 Early completion. Under emulation a child's exit (the kernel tearing down its
 copy-on-write address space) and our reaping cost more than running ``print(1)``.
@@ -64,17 +68,20 @@ import importlib
 import importlib.machinery
 import json
 import os
+import select
 import selectors
 import signal
 import site
 import socket
 import sys
 import threading  # loaded here, not in each child's shutdown
+import time
 import types
 import warnings
 
 MAX_MESSAGE = 256 * 1024
-SPARE_IDLE = 0.05  # seconds without a request before a spare child is forked
+CANNOT_START = 120  # a child's exit status when its set-up failed
+SPARE_BACKOFF = 1.0  # seconds before the next spare after a child could not start
 TOP_FD = 1 << 20  # closerange end: the kernel clamps it to what is open
 
 
@@ -99,6 +106,7 @@ class Zygote:
         self.children: dict[int, int] = {}  # pidfd -> pid
         self.watch = watched_dirs()
         self.stale = False
+        self.spare_after = 0.0  # monotonic time before which no spare is forked
 
     def send(self, msg: dict) -> None:
         self.ctl.send(json.dumps(msg).encode())
@@ -106,13 +114,13 @@ class Zygote:
     def serve(self) -> None:
         self.send({"type": "ready", "pid": os.getpid(), "python": sys.executable})
         while self.children or not self.stale:
-            # Only while nothing of ours runs (no exec, no unused spare): a spare must
-            # not take CPU from the user's code.
-            want_spare = not self.children and not self.stale
-            events = self.sel.select(SPARE_IDLE if want_spare else None)
-            if not events and want_spare:
-                self.fork_spare()
-            for key, _ in events:
+            wait = None
+            if not self.children and not self.stale:  # none alive: no spare, no exec
+                wait = self.spare_after - time.monotonic()
+                if wait <= 0:
+                    wait = None
+                    self.fork_spare()
+            for key, _ in self.sel.select(wait):
                 if key.fileobj is self.ctl:
                     if not self.receive():
                         return  # the agent is gone: our children are init's now
@@ -161,19 +169,26 @@ class Zygote:
         self.sel.unregister(pidfd)
         os.close(pidfd)
         _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) == CANNOT_START:  # no spare loop if they all fail
+            self.spare_after = time.monotonic() + SPARE_BACKOFF
         self.send({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
 
     def fork_spare(self) -> None:
         """Fork a spare child and hand the agent its socket (``{"type": "spare"}``).
         At idle priority, the fork and the spare's rehearsal alike: a request that
         arrives meanwhile goes first."""
+        try:
+            self.send({"type": "forking"})
+        except OSError:
+            return  # the agent is gone (serve sees the EOF)
         background()
         try:
-            self._fork_spare()
+            if not self._fork_spare():
+                self.send({"type": "no-spare"})
         finally:
             foreground()
 
-    def _fork_spare(self) -> None:
+    def _fork_spare(self) -> bool:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             with warnings.catch_warnings():
@@ -182,7 +197,7 @@ class Zygote:
         except OSError:
             ours.close()
             theirs.close()
-            return
+            return False
         if pid == 0:
             ours.close()
             self.become_spare(theirs)  # never returns
@@ -196,6 +211,7 @@ class Zygote:
         except OSError:
             pass  # the agent is gone; the spare sees EOF and exits
         ours.close()
+        return True
 
     def become_spare(self, sock: socket.socket) -> None:
         """A child forked ahead of need: set up what needs no request, then wait on
@@ -207,20 +223,21 @@ class Zygote:
                 os.close(pidfd)
             fd = os.dup2(sock.detach(), SPARE_FD)
             prepare_early(keep=SPARE_FD)
-            rehearse()
+            if not select.select([fd], [], [], 0)[0]:  # no request waiting yet
+                rehearse()
             sock = socket.socket(fileno=fd)
             data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
             sock.close()
             if not data or len(fds) != 2:
                 os._exit(0)
-            foreground()
+            foreground()  # (normally the agent has raised us already)
             req = json.loads(data)
             prepare_late(req, *fds)
         except BaseException as exc:
             try:
                 os.write(2, f"agentbox zygote: cannot start: {exc!r}\n".encode())
             finally:
-                os._exit(120)
+                os._exit(CANNOT_START)
         self.run_child(req)
 
     def become_child(self, req: dict, fds: list[int]) -> None:
@@ -238,7 +255,7 @@ class Zygote:
             try:
                 os.write(2, f"agentbox zygote: cannot start: {exc!r}\n".encode())
             finally:
-                os._exit(120)
+                os._exit(CANNOT_START)
         self.run_child(req)
 
     def run_child(self, req: dict) -> None:
