@@ -12,7 +12,11 @@ client through the API of a private daemon:
 Reports per-arm medians and min-max of the per-round medians, the ratio execute/run_code
 (goal <= 2) and python3/execute.
 
-usage: .venv/bin/python bench/execute.py [--rounds 5] [-n 20] [--template python]
+Each round runs every arm twice: back-to-back (the next call as soon as the last answer is
+in) and with ``--gap`` seconds of think time before each call (as an agent between tool
+calls), which is when the zygote has a spare child forked ahead of need.
+
+usage: .venv/bin/python bench/execute.py [--rounds 5] [-n 20] [--gap 0.2] [--template python]
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ ARMS = {
 }
 
 
-def call(c: httpx.Client, sid: str, arm: str) -> float:
+def call(c: httpx.Client, sid: str, arm: str, gap: float = 0.0) -> float:
     path, body = ARMS[arm]
+    time.sleep(gap)
     t = time.monotonic()
     r = c.post(f"/v1/sandboxes/{sid}/{path}", json=body)
     ms = (time.monotonic() - t) * 1000
@@ -52,9 +57,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("-n", type=int, default=20, help="calls per arm per round")
+    ap.add_argument("--gap", type=float, default=0.2, help="think time (s) in the gap rows")
     ap.add_argument("--template", default="python")
     args = ap.parse_args()
     print(f"machine: {platform.node()} {platform.machine()}, {platform.release()}")
+    modes = {"back-to-back": 0.0, f"gap {args.gap * 1000:.0f} ms": args.gap}
     with private_daemon() as d, d.client() as c:
         sid = c.post("/v1/sandboxes", json={"template": args.template,
                                              "idle_timeout": 0}).json()["id"]
@@ -62,27 +69,34 @@ def main() -> None:
             for _ in range(3):
                 call(c, sid, arm)
         names = list(ARMS)
-        per_round: dict[str, list[float]] = {a: [] for a in ARMS}
-        every: dict[str, list[float]] = {a: [] for a in ARMS}
+        keys = [(mode, arm) for mode in modes for arm in names]
+        per_round: dict[tuple[str, str], list[float]] = {k: [] for k in keys}
+        every: dict[tuple[str, str], list[float]] = {k: [] for k in keys}
         for rnd in range(args.rounds):
             order = names[rnd % 3:] + names[:rnd % 3]
-            for arm in order:
-                times = [call(c, sid, arm) for _ in range(args.n)]
-                per_round[arm].append(statistics.median(times))
-                every[arm] += times
-                print(f"round {rnd} {arm:<9} p50 {per_round[arm][-1]:7.1f} ms", flush=True)
+            for mode in (list(modes) if rnd % 2 == 0 else list(modes)[::-1]):
+                for arm in order:
+                    times = [call(c, sid, arm, modes[mode]) for _ in range(args.n)]
+                    per_round[mode, arm].append(statistics.median(times))
+                    every[mode, arm] += times
+                    print(f"round {rnd} {mode:<13} {arm:<9} p50 {per_round[mode, arm][-1]:7.1f} ms",
+                          flush=True)
         c.delete(f"/v1/sandboxes/{sid}")
-    print(f"\n{'arm':<9} {'p50 ms (all calls)':>19} {'p95':>8} {'round medians min-max':>24}")
-    for arm in ARMS:
-        meds = per_round[arm]
-        print(f"{arm:<9} {statistics.median(every[arm]):>19.1f} {pct(every[arm], 95):>8.1f} "
-              f"{min(meds):>15.1f}-{max(meds):<8.1f}")
-    ratio = [e / r for e, r in zip(per_round["execute"], per_round["run_code"], strict=True)]
-    speedup = [p / e for p, e in zip(per_round["python3"], per_round["execute"], strict=True)]
-    print(f"execute/run_code per round: median {statistics.median(ratio):.2f} "
-          f"(min {min(ratio):.2f}, max {max(ratio):.2f}); goal <= 2")
-    print(f"python3/execute per round:  median {statistics.median(speedup):.2f} "
-          f"(min {min(speedup):.2f}, max {max(speedup):.2f})")
+    for mode in modes:
+        print(f"\n{mode}\n{'arm':<9} {'p50 ms (all calls)':>19} {'p95':>8} "
+              f"{'round medians min-max':>24}")
+        for arm in ARMS:
+            meds, allc = per_round[mode, arm], every[mode, arm]
+            print(f"{arm:<9} {statistics.median(allc):>19.1f} {pct(allc, 95):>8.1f} "
+                  f"{min(meds):>15.1f}-{max(meds):<8.1f}")
+        ratio = [e / r for e, r in zip(per_round[mode, "execute"], per_round[mode, "run_code"],
+                                       strict=True)]
+        speedup = [p / e for p, e in zip(per_round[mode, "python3"], per_round[mode, "execute"],
+                                         strict=True)]
+        print(f"execute/run_code per round: median {statistics.median(ratio):.2f} "
+              f"(min {min(ratio):.2f}, max {max(ratio):.2f}); goal <= 2")
+        print(f"python3/execute per round:  median {statistics.median(speedup):.2f} "
+              f"(min {min(speedup):.2f}, max {max(speedup):.2f})")
 
 
 if __name__ == "__main__":

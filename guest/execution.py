@@ -183,7 +183,7 @@ class Executor:
         script = None
         if req.code is not None and req.language == "python":
             script = _write_script(req.code)  # a file, not -c: real tracebacks, no ARG_MAX
-        before = await asyncio.to_thread(outputs.scan, self.output_dir)
+        before = await outputs.scan_async(self.output_dir)
         try:
             spawned = None
             if script is not None and self.zygote is not None:
@@ -191,7 +191,7 @@ class Executor:
             if spawned is None:
                 spawned = await _spawn(self._argv(req, script), cwd, env)
             result = await self._run(spawned, req.timeout)
-            after = await asyncio.to_thread(outputs.scan, self.output_dir)
+            after = await outputs.scan_async(self.output_dir)
             return dataclasses.replace(result, files=outputs.changed(before, after))
         finally:
             if script:
@@ -263,7 +263,9 @@ async def _fork_from_zygote(
         os.close(out_r)
         os.close(err_r)
         return None
-    return child, (PipeCapture(out_r), PipeCapture(err_r))
+    pipes = (PipeCapture(out_r), PipeCapture(err_r))
+    child.watch([p.closed for p in pipes])  # early completion: its own status at EOF
+    return child, pipes
 
 
 async def _spawn(

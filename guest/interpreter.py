@@ -496,11 +496,11 @@ class Interpreter:
             if req.context != DEFAULT_CONTEXT:
                 raise ContextNotFound(f"context {req.context!r} not found; create it first")
             ctx = self._add(DEFAULT_CONTEXT, None, {})
-        before = await asyncio.to_thread(outputs.scan, self.output_dir)
+        before = await outputs.scan_async(self.output_dir)
 
         async def emit_with_files(event: dict[str, Any]) -> None:
             if event.get("type") == "end":  # the run is over: list what it wrote
-                after = await asyncio.to_thread(outputs.scan, self.output_dir)
+                after = await outputs.scan_async(self.output_dir)
                 event = {**event, "files": [f.to_dict() for f in outputs.changed(before, after)]}
             await emit(event)
 

@@ -14,6 +14,7 @@ nothing but their own run's listing. Symlinks are not followed. PID 1
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 from guest.protocol import OutputFile
@@ -28,9 +29,26 @@ Snapshot = dict[str, tuple[int, int, int]]
 
 def scan(root: str = OUTPUT_DIR) -> Snapshot:
     """Regular files under ``root``: path -> (size, mtime_ns, inode). Bounded."""
+    return _walk(root, MAX_SCAN)[0]
+
+
+def scan_small(root: str = OUTPUT_DIR, limit: int = 64) -> Snapshot | None:
+    """``scan`` if ``root`` holds at most ``limit`` entries, else None. Cheap enough to
+    run on the event loop, where a thread hop would cost more than the scan."""
+    found, complete = _walk(root, limit)
+    return found if complete else None
+
+
+async def scan_async(root: str = OUTPUT_DIR) -> Snapshot:
+    """``scan`` from the event loop: inline while ``root`` is small, else in a thread."""
+    small = scan_small(root)
+    return small if small is not None else await asyncio.to_thread(scan, root)
+
+
+def _walk(root: str, limit: int) -> tuple[Snapshot, bool]:
     found: Snapshot = {}
     stack, seen = [(root, 0)], 0
-    while stack and seen < MAX_SCAN:
+    while stack and seen < limit:
         path, depth = stack.pop()
         try:
             entries = os.scandir(path)
@@ -39,7 +57,7 @@ def scan(root: str = OUTPUT_DIR) -> Snapshot:
         with entries:
             for entry in entries:
                 seen += 1
-                if seen > MAX_SCAN:
+                if seen > limit:
                     break
                 try:
                     if entry.is_dir(follow_symlinks=False):
@@ -50,7 +68,7 @@ def scan(root: str = OUTPUT_DIR) -> Snapshot:
                         found[entry.path] = (st.st_size, st.st_mtime_ns, st.st_ino)
                 except OSError:
                     continue
-    return found
+    return found, seen <= limit and not stack
 
 
 def changed(before: Snapshot, after: Snapshot) -> list[OutputFile]:

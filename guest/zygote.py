@@ -11,9 +11,13 @@ str hash seed; more modules are already in ``sys.modules``).
 :class:`ZygoteChild` quacks like the ``asyncio.subprocess.Process`` that
 :class:`guest.execution.Executor` waits for, so timeouts (``killpg`` of the
 child's session), output capture, the exec owner and ``Health.running`` work as
-for any command. The zygote reports each child's exit status over the control
-socket; if the zygote itself dies, its children's groups are killed and their
-execs fail (``lost``), since nobody can tell how they ended.
+for any command. A child that ends its script normally writes its exit status to
+its own status pipe just before it exits (early completion, see
+``guest/zygote_worker.py``), so the exec is answered without waiting for the
+kernel to tear the process down; the zygote's report over the control socket
+(after it reaped the child) covers every other ending. If the zygote itself dies,
+the groups of its children still running are killed and their execs fail
+(``lost``), since nobody can tell how they ended.
 
 :class:`ZygoteManager` decides, per exec, whether the zygote may run it: it
 must be up (a start in progress is waited for, so a golden snapshot's warm-up
@@ -28,11 +32,13 @@ replaced by a new one; old ones finish their running children first.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import shutil
 import socket
+import tempfile
 import time
 
 from guest.execution import kill_group
@@ -43,6 +49,7 @@ START_TIMEOUT = 120.0  # preloading pandas + matplotlib under TCG takes many sec
 RETRY_AFTER = 30.0  # after a failed start, execs use plain python3 for this long
 MAX_MESSAGE = 256 * 1024  # larger requests (huge env) go the plain python3 way
 STOP_TIMEOUT = 5.0
+SPARE_WAIT = 2.0  # longest an exec waits for a spare being forked before forking its own
 _STARTUP_NAMES = {"HOME", "LANG", "LANGUAGE", "TZ", "MPLBACKEND", "MPLCONFIGDIR",
                   "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                   "LD_PRELOAD", "LD_LIBRARY_PATH"}
@@ -62,14 +69,25 @@ class ZygoteLost(Exception):
     """The zygote died while a child of it ran: its exit status is unknown."""
 
 
-class ZygoteChild:
-    """One forked exec, waited for like an ``asyncio.subprocess.Process``."""
+STATUS_BYTES = 16  # a child's status report: a decimal exit code
 
-    def __init__(self, pid: int) -> None:
+
+class ZygoteChild:
+    """One forked exec, waited for like an ``asyncio.subprocess.Process``.
+
+    ``status_path``: where the child reports its exit status when it finishes its
+    script normally; read once both of its output pipes have reached EOF."""
+
+    def __init__(self, pid: int, status_path: str) -> None:
         self.pid = pid
         self.returncode: int | None = None
         self.lost = False
         self._done = asyncio.get_running_loop().create_future()
+        self._status_path = status_path
+
+    @property
+    def done(self) -> bool:
+        return self._done.done()
 
     async def wait(self) -> int:
         await asyncio.shield(self._done)
@@ -80,6 +98,74 @@ class ZygoteChild:
         if not self._done.done():
             self.returncode, self.lost = returncode, lost
             self._done.set_result(None)
+        _unlink_quietly(self._status_path)
+
+    def watch(self, closed: list[asyncio.Future[None]]) -> None:
+        """Once every output pipe is at EOF, take the child's own status report if
+        it wrote one (else the zygote's returncode message will come)."""
+        pending = set(closed)
+
+        def one_closed(fut: asyncio.Future[None]) -> None:
+            pending.discard(fut)
+            if not pending and not self.done:
+                code = _read_status(self._status_path)
+                if code is not None:
+                    self.exited(code)
+
+        for fut in closed:
+            fut.add_done_callback(one_closed)
+
+
+class Spare:
+    """Our end of a spare child's socket, and the zygote's staleness mtimes then."""
+
+    def __init__(self, pid: int, sock: socket.socket, watch: dict[str, int]) -> None:
+        self.pid, self.sock, self.watch = pid, sock, watch
+
+    def current(self) -> bool:
+        """Whether a fresh python3 would still see the packages the spare sees."""
+        return all(_mtime(path) == mtime for path, mtime in self.watch.items())
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def raise_priority(pid: int | None) -> None:
+    """Back to the normal policy: the zygote while it forks a spare, and a spare, run
+    at SCHED_IDLE, which a CPU-bound process in the guest would starve."""
+    if pid is None:
+        return
+    try:
+        os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
+    except OSError:
+        pass  # gone, or not ours to change: it runs when the CPU is free
+
+
+def _mtime(path: str) -> int:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return -1
+
+
+def _status_root() -> str | None:
+    return "/run" if os.access("/run", os.W_OK) else None  # None: tempfile's default
+
+
+def _read_status(path: str) -> int | None:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(STATUS_BYTES)
+    except OSError:
+        return None
+    return int(data) if data.isdigit() else None
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 class Zygote:
@@ -97,6 +183,10 @@ class Zygote:
         self._replies: dict[int, asyncio.Future[dict]] = {}
         self._children: dict[int, ZygoteChild] = {}
         self._next_id = 0
+        self.spare: Spare | None = None  # a child forked ahead of need (the worker's doc)
+        self._spare_coming: asyncio.Future[None] | None = None  # the zygote is forking one
+        # Early-completion status files (``ZygoteChild``), on tmpfs; removed with us.
+        self.status_dir = tempfile.mkdtemp(prefix="agentbox-zygote-", dir=_status_root())
 
     @property
     def alive(self) -> bool:
@@ -128,24 +218,55 @@ class Zygote:
     def _readable(self) -> None:
         assert self.sock is not None
         try:
-            data = self.sock.recv(MAX_MESSAGE)
+            data, fds, _, _ = socket.recv_fds(self.sock, MAX_MESSAGE, 1)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data = b""
+            data, fds = b"", []
         if not data:
+            for fd in fds:
+                os.close(fd)
             self._gone()
             return
-        self._handle(json.loads(data))
+        msg = json.loads(data)
+        if msg.get("type") == "spare" and len(fds) == 1:
+            self._new_spare(Spare(msg["pid"], socket.socket(fileno=fds[0]), msg["watch"]))
+            return
+        for fd in fds:
+            os.close(fd)
+        self._handle(msg)
+
+    def _new_spare(self, spare: Spare | None) -> None:
+        if self.spare is not None:
+            self.spare.close()
+        self.spare = spare
+        if self.stale:
+            self._drop_spare()
+        coming, self._spare_coming = self._spare_coming, None
+        if coming is not None and not coming.done():
+            coming.set_result(None)
+
+    def _drop_spare(self) -> None:
+        """Close our end of the spare's socket: it exits unused (the zygote reaps it)."""
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            spare.close()
 
     def _handle(self, msg: dict) -> None:
         if msg.get("type") == "ready":
             if not self._ready.done():
                 self._ready.set_result(None)
+        elif msg.get("type") == "forking":
+            if self._spare_coming is None:
+                self._spare_coming = self._loop.create_future()
+        elif msg.get("type") == "no-spare":
+            self._new_spare(None)
         elif "returncode" in msg:
             child = self._children.pop(msg["pid"], None)
             if child is not None:
                 child.exited(msg["returncode"])
+            elif self.spare is not None and self.spare.pid == msg["pid"]:
+                self._drop_spare()  # it died while it waited
         else:
             reply = self._replies.pop(msg["id"], None)
             if reply is not None and not reply.done():
@@ -155,6 +276,8 @@ class Zygote:
 
     def _gone(self) -> None:
         """The control socket hit EOF: the zygote exited (stale, killed, crashed)."""
+        shutil.rmtree(self.status_dir, ignore_errors=True)
+        self._new_spare(None)
         if self.sock is not None:
             self._loop.remove_reader(self.sock.fileno())
             self.sock.close()
@@ -166,8 +289,9 @@ class Zygote:
                 reply.set_exception(ZygoteLost("the zygote exited"))
         self._replies.clear()
         for child in self._children.values():
-            kill_group(child.pid)
-            child.exited(-9, lost=True)
+            if not child.done:  # one that reported its status may have left a background tree
+                kill_group(child.pid)
+                child.exited(-9, lost=True)
         self._children.clear()
 
     async def fork(self, script: str, cwd: str, env: dict[str, str],
@@ -176,15 +300,34 @@ class Zygote:
         if self.sock is None or self.stale:
             return None
         self._next_id += 1
-        msg = json.dumps({"id": self._next_id, "script": script, "cwd": cwd, "env": env})
+        req_id = self._next_id  # ours: others may take ids while we wait for a spare
+        status = os.path.join(self.status_dir, str(req_id))
+        msg = json.dumps({"id": req_id, "script": script, "cwd": cwd, "env": env,
+                          "status": status})
         if len(msg) > MAX_MESSAGE:
             return None
+        if self.spare is None and self._spare_coming is not None:
+            # Being forked: waiting for it is never slower than a second fork.
+            raise_priority(self.proc.pid if self.proc else None)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._spare_coming), SPARE_WAIT)
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            with contextlib.closing(spare):
+                if not spare.current():
+                    self.stale = True  # the zygote would say so too
+                    return None
+                child = self._hand(spare, msg.encode(), out_w, err_w, status)
+            if child is not None:
+                return child
+        if self.sock is None:
+            return None  # gone while we waited
         reply = self._loop.create_future()
-        self._replies[self._next_id] = reply
+        self._replies[req_id] = reply
         try:
             socket.send_fds(self.sock, [msg.encode()], [out_w, err_w])
         except OSError as exc:
-            self._replies.pop(self._next_id, None)
+            self._replies.pop(req_id, None)
             log.warning("zygote: cannot send a request: %s", exc)
             return None
         try:
@@ -197,12 +340,26 @@ class Zygote:
         if "pid" not in answer:
             log.warning("zygote: %s", answer.get("error"))
             return None
-        child = ZygoteChild(answer["pid"])
+        child = ZygoteChild(answer["pid"], status)
+        self._children[child.pid] = child
+        return child
+
+    def _hand(self, spare: Spare, msg: bytes, out_w: int, err_w: int,
+              status: str) -> ZygoteChild | None:
+        """Give a request to the spare (it is the zygote's child: the zygote reports
+        its exit); None if the spare is gone (the caller asks the zygote instead)."""
+        raise_priority(spare.pid)  # it waits at idle priority
+        try:
+            socket.send_fds(spare.sock, [msg], [out_w, err_w])
+        except OSError:
+            return None
+        child = ZygoteChild(spare.pid, status)
         self._children[child.pid] = child
         return child
 
     def retire(self) -> None:
         """Ask the zygote to exit once its running children are done."""
+        self._drop_spare()
         self.stale = True
         if self.sock is not None:
             try:

@@ -6,8 +6,8 @@ must look like ``python3 -u FILE`` did it.
 
 Theory of operation. At start we import the template's modules (``MODULE ...``),
 then answer on CTL_FD, a SOCK_SEQPACKET socket: one JSON message ``ready``, then
-per request ``{"id", "script", "cwd", "env"}`` (with the exec's stdout and stderr
-write ends as SCM_RIGHTS) we fork and answer ``{"id", "pid"}`` (or ``{"id",
+per request ``{"id", "script", "cwd", "env", "status"}`` (with the exec's stdout and
+stderr write ends as SCM_RIGHTS) we fork and answer ``{"id", "pid"}`` (or ``{"id",
 "error"}``), and when that child exits ``{"pid", "returncode"}`` (``-N`` for
 signal N, as asyncio reports it). We are the children's parent, so we reap them:
 each gets a pidfd, which we select on with the socket (no SIGCHLD handler, so
@@ -27,6 +27,36 @@ site) would be invisible to our children though a fresh ``python3`` sees it. We
 remember the mtimes of the ``sys.path`` directories; when one changes we refuse
 new forks (``{"id", "stale": true}``) and exit once our children are done. The
 agent then runs that call with plain ``python3`` and starts a new zygote.
+
+The spare. Forking costs more than a short script: the fork copies our page
+tables, and afterwards both processes take a copy-on-write fault for every page
+they write (dozens of milliseconds under emulation). So whenever no child of ours
+is alive we fork one *spare* child ahead of need, at idle priority (SCHED_IDLE:
+it takes only CPU nobody else wants, typically while the host relays the last
+answer). We tell the agent ``{"type": "forking"}`` first, then
+``{"type": "spare", "pid", "watch"}`` with the spare's socket (SCM_RIGHTS), or
+``{"type": "no-spare"}`` if the fork failed. The spare does the part of the
+set-up that needs no request (new session, stdin /dev/null, other fds closed),
+walks through what a run writes (``rehearse``) unless a request is already
+waiting, and waits on that socket. The agent sends a request straight to it (the
+same message as to us; we are not woken) after raising it to the normal policy,
+and checks ``watch`` (our staleness mtimes) first; a request that comes while a
+spare is being forked waits for it rather than forking a second child. If the
+agent closes the socket instead, the spare exits unused. It is still our child:
+we reap it and report its returncode like any other. A request that finds no
+spare (two at once, or a stale zygote) comes to us and forks as before.
+
+Early completion. Under emulation a child's exit (the kernel tearing down its
+copy-on-write address space) and our reaping cost more than running ``print(1)``.
+So a child that finishes its script normally first writes its exit status
+(decimal ASCII) to the request's ``status`` file (on tmpfs), then points its fds
+1 and 2 at /dev/null, then exits: once both output pipes reach EOF the agent
+reads the file and can answer while the kernel still tears the process down. A
+child that dies otherwise (a signal, ``os._exit``, ``exec``) writes nothing, and
+one whose output pipes stay open (a background process holds them) is not read
+early: those are known from our ``returncode`` message. Only the child itself
+reports (not a process the user's code forked that returns through
+``run_script``). No fd is added to the child: it sees only 0, 1 and 2.
 """
 
 from __future__ import annotations
@@ -38,16 +68,20 @@ import importlib
 import importlib.machinery
 import json
 import os
+import select
 import selectors
 import signal
 import site
 import socket
 import sys
 import threading  # loaded here, not in each child's shutdown
+import time
 import types
 import warnings
 
 MAX_MESSAGE = 256 * 1024
+CANNOT_START = 120  # a child's exit status when its set-up failed
+SPARE_BACKOFF = 1.0  # seconds before the next spare after a child could not start
 TOP_FD = 1 << 20  # closerange end: the kernel clamps it to what is open
 
 
@@ -72,6 +106,7 @@ class Zygote:
         self.children: dict[int, int] = {}  # pidfd -> pid
         self.watch = watched_dirs()
         self.stale = False
+        self.spare_after = 0.0  # monotonic time before which no spare is forked
 
     def send(self, msg: dict) -> None:
         self.ctl.send(json.dumps(msg).encode())
@@ -79,7 +114,13 @@ class Zygote:
     def serve(self) -> None:
         self.send({"type": "ready", "pid": os.getpid(), "python": sys.executable})
         while self.children or not self.stale:
-            for key, _ in self.sel.select():
+            wait = None
+            if not self.children and not self.stale:  # none alive: no spare, no exec
+                wait = self.spare_after - time.monotonic()
+                if wait <= 0:
+                    wait = None
+                    self.fork_spare()
+            for key, _ in self.sel.select(wait):
                 if key.fileobj is self.ctl:
                     if not self.receive():
                         return  # the agent is gone: our children are init's now
@@ -128,7 +169,76 @@ class Zygote:
         self.sel.unregister(pidfd)
         os.close(pidfd)
         _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) == CANNOT_START:  # no spare loop if they all fail
+            self.spare_after = time.monotonic() + SPARE_BACKOFF
         self.send({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
+
+    def fork_spare(self) -> None:
+        """Fork a spare child and hand the agent its socket (``{"type": "spare"}``).
+        At idle priority, the fork and the spare's rehearsal alike: a request that
+        arrives meanwhile goes first."""
+        try:
+            self.send({"type": "forking"})
+        except OSError:
+            return  # the agent is gone (serve sees the EOF)
+        background()
+        try:
+            if not self._fork_spare():
+                self.send({"type": "no-spare"})
+        finally:
+            foreground()
+
+    def _fork_spare(self) -> bool:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+        except OSError:
+            ours.close()
+            theirs.close()
+            return False
+        if pid == 0:
+            ours.close()
+            self.become_spare(theirs)  # never returns
+        theirs.close()
+        pidfd = os.pidfd_open(pid)
+        self.children[pidfd] = pid
+        self.sel.register(pidfd, selectors.EVENT_READ)
+        msg = {"type": "spare", "pid": pid, "watch": self.watch}
+        try:
+            socket.send_fds(self.ctl, [json.dumps(msg).encode()], [ours.fileno()])
+        except OSError:
+            pass  # the agent is gone; the spare sees EOF and exits
+        ours.close()
+        return True
+
+    def become_spare(self, sock: socket.socket) -> None:
+        """A child forked ahead of need: set up what needs no request, then wait on
+        ``sock`` (the agent holds its other end) for one; EOF: exit unused."""
+        try:
+            self.sel.close()
+            self.ctl.close()
+            for pidfd in self.children:
+                os.close(pidfd)
+            fd = os.dup2(sock.detach(), SPARE_FD)
+            prepare_early(keep=SPARE_FD)
+            if not select.select([fd], [], [], 0)[0]:  # no request waiting yet
+                rehearse()
+            sock = socket.socket(fileno=fd)
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
+            sock.close()
+            if not data or len(fds) != 2:
+                os._exit(0)
+            foreground()  # (normally the agent has raised us already)
+            req = json.loads(data)
+            prepare_late(req, *fds)
+        except BaseException as exc:
+            try:
+                os.write(2, f"agentbox zygote: cannot start: {exc!r}\n".encode())
+            finally:
+                os._exit(CANNOT_START)
+        self.run_child(req)
 
     def become_child(self, req: dict, fds: list[int]) -> None:
         try:
@@ -137,31 +247,112 @@ class Zygote:
             self.ctl.close()
             for pidfd in self.children:
                 os.close(pidfd)
-            prepare_process(req, out, err)
+            os.dup2(out, 1)  # before the fds above 2 are closed
+            os.dup2(err, 2)
+            prepare_early()
+            prepare_late(req, 1, 2)
         except BaseException as exc:  # nothing of ours may run on in the child
             try:
                 os.write(2, f"agentbox zygote: cannot start: {exc!r}\n".encode())
             finally:
-                os._exit(120)
-        os._exit(run_script(req["script"]))
+                os._exit(CANNOT_START)
+        self.run_child(req)
+
+    def run_child(self, req: dict) -> None:
+        me = os.getpid()
+        code = run_script(req["script"])
+        if os.getpid() == me and req.get("status"):  # not a process the user's code forked
+            report(code, req["status"])
+        os._exit(code)
 
 
-def prepare_process(req: dict, out: int, err: int) -> None:
-    """Turn the forked copy into what ``python3 -u SCRIPT`` would have started as."""
+SPARE_FD = 3  # a spare's request socket until it has its request
+
+
+def prepare_early(keep: int | None = None) -> None:
+    """The request-independent half of ``python3``'s start: own session, stdin
+    /dev/null, every fd above 2 closed (but ``keep``)."""
     os.setsid()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    os.dup2(out, 1)
-    os.dup2(err, 2)
-    os.closerange(3, TOP_FD)
+    if keep is None:
+        os.closerange(3, TOP_FD)
+    else:
+        os.closerange(3, keep)
+        os.closerange(keep + 1, TOP_FD)
+
+
+def prepare_late(req: dict, out: int, err: int) -> None:
+    """The rest, from the request: what ``python3 -u SCRIPT`` would have started as."""
+    if (out, err) != (1, 2):
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        os.close(out)
+        os.close(err)
     os.chdir(req["cwd"])
-    os.environ.clear()
-    os.environ.update(req["env"])
+    set_environ(req["env"])
     script = req["script"]
     sys.argv[:] = [script]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     importlib.invalidate_caches()
     reseed()
+
+
+def background() -> None:
+    """SCHED_IDLE: run only when nothing else in the guest wants the CPU."""
+    _policy(os.SCHED_IDLE)
+
+
+def foreground() -> None:
+    """Back to the normal policy (what a fresh ``python3`` has)."""
+    _policy(os.SCHED_OTHER)
+
+
+def _policy(policy: int) -> None:
+    try:
+        os.sched_setscheduler(0, policy, os.sched_param(0))
+    except OSError:
+        pass  # not permitted: the spare merely competes for the CPU
+
+
+def rehearse() -> None:
+    """Walk a spare through what running a script writes (a compile, an exec, the
+    environ, the import caches, the random state) while it waits, so that the
+    copy-on-write faults those pages cost are taken now rather than during the
+    request. Its output goes to the zygote's stdout (/dev/null)."""
+    scratch = types.ModuleType("__main__")
+    scratch.__dict__.update(__builtins__=builtins)
+    exec(compile("print(end='')\n", "<spare>", "exec"), scratch.__dict__)
+    set_environ(dict(os.environ))
+    importlib.invalidate_caches()
+    reseed()
+
+
+def set_environ(env: dict[str, str]) -> None:
+    """Make ``os.environ`` exactly ``env``, touching only what differs (each change is
+    a putenv/unsetenv; most requests share nearly all of the zygote's own)."""
+    for name in [n for n in os.environ if n not in env]:
+        del os.environ[name]
+    for name, value in env.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
+
+
+def report(code: int, path: str) -> None:
+    """Tell the agent the script is done (see *Early completion*): status, then EOF."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, str(code).encode())
+        finally:
+            os.close(fd)
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        os.close(null)
+        background()  # what is left is the kernel tearing us down: the answer goes first
+    except OSError:
+        pass  # the agent gets our returncode from the zygote instead
 
 
 def reseed() -> None:

@@ -76,3 +76,13 @@ async def test_run_code_reports_files_plain_and_streamed(aiohttp_client, tmp_pat
 
     end = [json.loads(line) for line in (await resp.text()).splitlines()][-1]
     assert end["type"] == "end" and end["files"] == [{"path": str(out / "b"), "size": 1}]
+
+
+def test_scan_small_gives_up_past_its_limit(tmp_path):
+    for i in range(5):
+        (tmp_path / f"f{i}").write_text("x")
+    assert outputs.scan_small(str(tmp_path), limit=5) == outputs.scan(str(tmp_path))
+    assert outputs.scan_small(str(tmp_path), limit=4) is None
+    (tmp_path / "d").mkdir()  # an unwalked directory also means "not complete"
+    assert outputs.scan_small(str(tmp_path), limit=6) is None
+    assert len(outputs.scan_small(str(tmp_path), limit=7)) == 5

@@ -89,11 +89,55 @@ def normalise(r: ExecResult) -> tuple[str, str, int]:
     return NORMALISE.sub("SCRIPT", r.stdout), NORMALISE.sub("SCRIPT", r.stderr), r.exit_code
 
 
+SPARE_READY = 0.3  # idle this long and the zygote has forked its spare child
+
+
+async def run_by(client, way: str, code: str) -> ExecResult:
+    """Run ``code`` in the zygote's spare (``spare``) or in a child forked for the
+    request (``fork``: two at once after the spare is ready, so one of them forks;
+    both must give the same answer)."""
+    await asyncio.sleep(SPARE_READY)
+    if way == "spare":
+        return await run(client, code=code)
+    a, b = await asyncio.gather(run(client, code=code), run(client, code=code))
+    assert normalise(a) == normalise(b)
+    return a
+
+
+@pytest.mark.parametrize("way", ["spare", "fork"])
 @pytest.mark.parametrize("code", PARITY)
-async def test_same_result_as_plain_python3(client, plain, code):
-    a, b = await run(client, code=code), await run(plain, code=code)
+async def test_same_result_as_plain_python3(client, plain, code, way):
+    a, b = await run_by(client, way, code), await run(plain, code=code)
     assert normalise(a) == normalise(b)
     assert "zygote" not in a.stderr
+
+
+def zygote_children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+async def test_an_idle_zygote_keeps_one_spare_child_and_uses_it(client):
+    code = "import os; print(os.getpid(), os.getppid())"
+    first, zygote = map(int, (await run(client, code=code)).stdout.split())
+    await asyncio.sleep(SPARE_READY)
+    spare = zygote_children(zygote)
+    assert len(spare) == 1 and spare[0] != first
+    pid, parent = map(int, (await run(client, code=code)).stdout.split())
+    assert (pid, parent) == (spare[0], zygote)  # the spare ran it
+    await asyncio.sleep(SPARE_READY)
+    assert len(zygote_children(zygote)) == 1  # a new spare, the used one is gone
+
+
+async def test_a_spare_killed_while_it_waits_is_replaced(client):
+    code = "import os; print(os.getppid())"
+    zygote = int((await run(client, code=code)).stdout)
+    await asyncio.sleep(SPARE_READY)
+    [spare] = zygote_children(zygote)
+    os.kill(spare, signal.SIGKILL)
+    await asyncio.sleep(SPARE_READY)
+    [new] = zygote_children(zygote)
+    assert new != spare
+    assert (await run(client, code="print(2)")).stdout == "2\n"
 
 
 LEAK_SETUP = """
@@ -121,9 +165,12 @@ print("x_global" in globals(), hasattr(json, "leaked"), "LEAKED" in os.environ,
 """
 
 
-async def test_nothing_leaks_between_calls(client, tmp_path):
+@pytest.mark.parametrize("idle", [(0, 0), (SPARE_READY, 0), (0, SPARE_READY)])
+async def test_nothing_leaks_between_calls(client, tmp_path, idle):
+    await asyncio.sleep(idle[0])
     first = await run(client, code=LEAK_SETUP, cwd=str(tmp_path))
     assert first.exit_code == 0, first.stderr
+    await asyncio.sleep(idle[1])
     second = await run(client, code=LEAK_CHECK, cwd=str(tmp_path))
     fds = "[0, 1, 2, 3]"  # stdio, and the listing's own directory fd
     assert second.stdout == f"False False False {tmp_path} False False {fds} True 0o22\n"
@@ -296,3 +343,54 @@ def test_add_entropy_reseeds_the_crng():
     calls = []
     restore.add_entropy(b"x" * 16, ioctl=lambda fd, op, *arg: calls.append(op))
     assert calls == [restore.RNDADDENTROPY, restore.RNDRESEEDCRNG]
+
+
+async def _stopped_zygote_run(tmp_path, body: str) -> tuple[ExecResult, float]:
+    """Run ``body`` after the child has started, with its zygote stopped (SIGSTOP): the
+    zygote cannot reap the child or report it, so only the child's own report can end
+    the exec. Returns the result and how long the exec took."""
+    executor = executor_with()
+    pidfile = tmp_path / "pid"
+    code = (f"import os, sys, time; open('{pidfile}', 'w').write(str(os.getpid()))\n"
+            f"time.sleep(0.5)\n{body}")
+    try:
+        await executor.run(ExecRequest(code="pass"))  # the zygote is up
+        zygote = executor.zygote.current.proc.pid
+        started = time.monotonic()
+        task = asyncio.create_task(executor.run(ExecRequest(code=code, timeout=20)))
+        await read_pid(pidfile)
+        os.kill(zygote, signal.SIGSTOP)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=5)
+        finally:
+            os.kill(zygote, signal.SIGCONT)
+        result = await task
+        return result, (time.monotonic() - started) if done else float("inf")
+    finally:
+        await executor.zygote.aclose()
+
+
+async def test_a_finished_child_reports_its_own_status_before_its_zygote_reaps_it(tmp_path):
+    result, took = await _stopped_zygote_run(tmp_path, "print('out'); sys.exit(3)")
+    assert took < 5, "the exec waited for the stopped zygote"
+    assert (result.stdout, result.exit_code, result.timed_out) == ("out\n", 3, False)
+
+
+async def test_a_child_killed_by_a_signal_is_known_from_its_zygote(tmp_path):
+    # No report (it never returns from its script): only the zygote, once continued, knows.
+    result, took = await _stopped_zygote_run(tmp_path, "os.kill(os.getpid(), 9)")
+    assert took == float("inf")
+    assert result.exit_code == -9
+
+
+async def test_a_forked_grandchild_does_not_speak_for_the_child(tmp_path):
+    # The user's fork returns through the script too; only the child's status counts.
+    code = ("import os, sys, time\n"
+            "if os.fork() == 0:\n    sys.exit(7)\n"
+            "time.sleep(0.3)\nsys.exit(5)")
+    executor = executor_with()
+    try:
+        for _ in range(3):
+            assert (await executor.run(ExecRequest(code=code))).exit_code == 5
+    finally:
+        await executor.zygote.aclose()
