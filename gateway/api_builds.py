@@ -171,7 +171,8 @@ def attach(app: web.Application, config: Config, service: SandboxService) -> Bui
                           register_template(service),
                           hosts=config.build.registry_hosts, ca_bundle=config.build.ca_bundle,
                           step_timeout=config.build.step_timeout,
-                          build_timeout=config.build.build_timeout)
+                          build_timeout=config.build.build_timeout,
+                          cache_max_bytes=config.build.cache_max_mib << 20)
     app[BUILDS_KEY] = builds
     pending = [n for n in config.sandbox.templates if n not in service.goldens]
     if config.build.background_builtins and pending:

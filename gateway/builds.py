@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gateway import builder_vm, wire
+from gateway import build_cache, builder_vm, wire
 from gateway.builder_vm import BootFiles, BuilderVM
 from gateway.errors import ApiError, BadRequest, Conflict, NotFound, Unavailable
 from guest.protocol import DEFAULT_CONTEXT, CreateContextRequest, ExecRequest, InitRequest
@@ -141,8 +141,9 @@ class BuildService:
 
     def __init__(self, backend: Backend, cache_dir: Path, resolve: Resolve, register: Register,
                  *, hosts: tuple[str, ...], ca_bundle: str = "", step_timeout: float = 1800,
-                 build_timeout: float = 3600) -> None:
+                 build_timeout: float = 3600, cache_max_bytes: int = 0) -> None:
         self.backend, self.cache = backend, cache_dir
+        self.cache_max_bytes = cache_max_bytes  # 0: unbounded (gateway.build_cache)
         self.resolve, self.register = resolve, register
         self.hosts, self.ca_bundle = hosts, ca_bundle
         self.step_timeout, self.build_timeout = step_timeout, build_timeout
@@ -150,6 +151,17 @@ class BuildService:
         self._tasks: set[asyncio.Task[None]] = set()
         self._one_at_a_time = asyncio.Semaphore(1)
         self._remove_leftovers()
+        self._collect()
+
+    def _collect(self) -> None:
+        """Bound the layer cache (no build may run: at start-up, or under the lock)."""
+        if not self.cache_max_bytes:
+            return
+        try:
+            build_cache.collect(self.cache, self.cache.parent / "templates",
+                                self.cache_max_bytes)
+        except OSError:
+            log.exception("bounding the build cache failed (the next build retries)")
 
     def _remove_leftovers(self) -> None:
         """Work dirs and uploaded contexts a crashed daemon left (no build runs yet)."""
@@ -203,7 +215,10 @@ class BuildService:
             build.emit("queued")
             async with self._one_at_a_time:
                 build.to(BuildState.RUNNING)
-                await asyncio.wait_for(self._steps(build, context), self.build_timeout)
+                try:
+                    await asyncio.wait_for(self._steps(build, context), self.build_timeout)
+                finally:
+                    await asyncio.shield(asyncio.to_thread(self._collect))
             build.to(BuildState.READY)
             build.emit("done", state="ready", template=build.template)
         except BaseException as exc:
@@ -233,6 +248,8 @@ class BuildService:
             key = df.step_key(key, step, df.context_digest(files) if files else "")
             layer = self.cache / f"{key}.qcow2"
             cached = layer.is_file()
+            if cached:
+                build_cache.touch(layer)  # its last use: the cache evicts oldest first
             build.cached_steps += cached
             build.emit("step", n=n, of=total, line=step.line, text=step.text[:500],
                        cached=cached, key=key[:16])
@@ -245,6 +262,8 @@ class BuildService:
         fkey = df.final_key(key, recipe, boot.mem_mib)
         golden = self.cache / f"golden-{fkey}"
         cached = (golden / store.MANIFEST).is_file()
+        if cached:
+            build_cache.touch(golden)
         build.cached_steps += cached
         build.emit("step", n=total, of=total, text="start + readiness + snapshot", cached=cached,
                    key=fkey[:16])

@@ -140,11 +140,15 @@ class BuildConfig:
     step_timeout: float = 1800.0  # seconds per RUN step
     build_timeout: float = 3600.0  # seconds per build
     background_builtins: bool = True  # build missing served templates after start-up
+    # The layer cache's bound (gateway.build_cache: least recently used first); 0 = none.
+    cache_max_mib: int = 20480
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "registry_hosts", tuple(self.registry_hosts))
         if self.max_context_bytes < 1024:
             raise ValueError("max_context_bytes must be >= 1024")
+        if self.cache_max_mib < 0:
+            raise ValueError("cache_max_mib must be >= 0 (0 = no bound)")
         if not 0 < self.step_timeout <= self.build_timeout:
             raise ValueError("step_timeout must be > 0 and <= build_timeout")
 
