@@ -144,7 +144,7 @@ def register_template(service: SandboxService) -> Callable[..., dict[str, Any]]:
     """Make a built golden the tenant's template ``name``: a hard-linked copy of the cached
     golden in a catalog directory of its own (deleting the template never touches the
     cache), registered in the catalog (gateway.templates)."""
-    def register(tenant: str, name: str, golden_dir: Path) -> dict[str, Any]:
+    def register(tenant: str, name: str, golden_dir: Path, base: Path) -> dict[str, Any]:
         service.templates.check_new(tenant, name)  # before any copying
         template_id, dest = service.templates.new_dir()
         dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -156,8 +156,10 @@ def register_template(service: SandboxService) -> Callable[..., dict[str, Any]]:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         try:
+            # parent: its layers stand on the FROM golden's disk, which must outlive it (a
+            # tenant template is kept while this one is; `images gc` keeps the built-in build).
             return wire.encode(service.templates.add(tenant, name, dest, "dockerfile",
-                                                     template_id=template_id))
+                                                     parent=base, template_id=template_id))
         except BaseException:
             shutil.rmtree(dest, ignore_errors=True)
             raise

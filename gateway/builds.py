@@ -132,7 +132,8 @@ class Build:
             await changed.wait()
 
 
-Register = Callable[[str, str, Path], dict[str, Any]]
+# (tenant, name, the built golden, the FROM golden its disk chain stands on) -> the template
+Register = Callable[[str, str, Path, Path], dict[str, Any]]
 Resolve = Callable[[str, str], Golden]
 
 
@@ -271,7 +272,7 @@ class BuildService:
             started = time.monotonic()
             await self._make_golden(build, boot, disk, golden)
             build.emit("step_done", n=total, seconds=builder_vm.elapsed(started))
-        build.template = self.register(build.tenant, build.name, golden)
+        build.template = self.register(build.tenant, build.name, golden, base.dir)
 
     async def _run_step(self, build: Build, boot: BootFiles, parent: Path, layer: Path,
                         step: df.Step, files: list[tuple[str, Path]]) -> None:

@@ -12,11 +12,14 @@ from __future__ import annotations
 import io
 import tarfile
 import time
+from pathlib import Path
 
 import httpx
 import orjson
 import pytest
 
+from gateway import image_gc
+from gateway.registry import Registry
 from tests.e2e.test_preview import host_for, preview_token, wait_listening
 
 pytestmark = pytest.mark.e2e
@@ -139,6 +142,26 @@ def test_rebuild_with_nothing_changed_hits_the_cache_for_every_step(built):
     assert second["cached_steps"] == second["steps"] == 3
     assert not [e for e in events if e["type"] == "step_done"]  # nothing ran
     print(f"warm build: {warm:.1f}s")
+
+
+def test_a_built_template_keeps_the_build_it_stands_on_from_images_gc(built, daemon):
+    # Its layers are overlays of the FROM golden's disk: `images gc` must count that build
+    # as in use for as long as the template exists.
+    rows = [t for t in registry_templates(daemon) if t["name"] == "web-app"]
+    assert len(rows) == 1 and rows[0]["base"], rows
+    base_build = Path(rows[0]["base"]).parent.resolve()
+    assert base_build.parent.name == "python", base_build
+    assert base_build in image_gc.in_use([daemon.data_dir])
+    assert base_build not in image_gc.plan(base_build.parents[1], image_gc.in_use(
+        [daemon.data_dir])).remove
+
+
+def registry_templates(daemon) -> list[dict]:
+    registry = Registry(daemon.data_dir / "registry.sqlite")
+    try:
+        return registry.list_templates()
+    finally:
+        registry.close()
 
 
 def test_failing_run_reports_its_exit_code_and_output(daemon):
