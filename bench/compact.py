@@ -31,6 +31,7 @@ from pathlib import Path
 
 from _common import IMAGES_DIR, report
 
+from gateway.sandboxes import tree_bytes
 from guest.protocol import ExecRequest
 from images.catalog import load_template
 from vmctl import network, ramspare, store
@@ -45,20 +46,6 @@ MIB = 1 << 20
 # (snapshot, vm.overlap_restore, a spare RAM file ready): five wakes per round.
 KINDS = [("whole", True, False), ("whole", False, False), ("compact", True, True),
          ("compact", False, True), ("compact", True, False)]
-
-
-def allocated(root: Path) -> int:
-    """Bytes the sandbox's own files hold (each inode once, not the VM chroot's links)."""
-    seen, total = set(), 0
-    for path in root.rglob("*"):
-        if not path.is_file() or path.is_symlink():
-            continue
-        st = path.lstat()
-        if path.is_relative_to(root / "vm") and st.st_nlink > 1 or st.st_ino in seen:
-            continue
-        seen.add(st.st_ino)
-        total += st.st_blocks * 512
-    return total
 
 
 def memory_kib(pid: int) -> tuple[int, int]:
@@ -173,14 +160,14 @@ async def main(rounds: int) -> None:
                     await asyncio.to_thread(store.compact_memory, m.snapshot_dir,
                                             golden.snapshot.memory, threading.Event())
                     compact_ms.append((time.monotonic() - t) * 1000)
-                    disk[snapshot].append(allocated(m.plan.root) / MIB)
+                    disk[snapshot].append(tree_bytes(m.plan.root) / MIB)
                     if spare:  # what the daemon does after a compaction, in the background
                         t = time.monotonic()
                         if await asyncio.to_thread(ramspare.fill, spares, golden.snapshot.memory,
                                                    1):
                             fill_ms.append((time.monotonic() - t) * 1000)
                 else:
-                    disk[snapshot].append(allocated(m.plan.root) / MIB)
+                    disk[snapshot].append(tree_bytes(m.plan.root) / MIB)
                 m.backend = dataclasses.replace(backend, config=dataclasses.replace(
                     backend.config, overlap_restore=overlap, ram_spares=int(spare)))
                 t = time.monotonic()

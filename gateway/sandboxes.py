@@ -432,12 +432,23 @@ class SandboxService:
 
 
 def tree_bytes(root: Path) -> int:
-    """Bytes allocated to the files under ``root`` (sparse files count what they use)."""
-    total = 0
+    """Bytes allocated to the files under ``root`` that are its own (sparse files count
+    what they use; each inode once). A sandbox's ``vm/`` chroot hard-links its disk's
+    backing chain (the template's files, ``vmctl.confine.mirror_into_chroot``): a file
+    there that has other links is not counted (the sandbox's own disk is, at its root)."""
+    total, seen = 0, set()
+    chroot = os.path.join(root, "vm")
     for dirpath, _, files in os.walk(root):
+        in_chroot = dirpath == chroot or dirpath.startswith(chroot + os.sep)
         for name in files:
-            with contextlib.suppress(OSError):  # a file removed while we walk
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            try:  # a file removed while we walk
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            if st.st_ino in seen or (in_chroot and st.st_nlink > 1):
+                continue
+            seen.add(st.st_ino)
+            total += st.st_blocks * 512
     return total
 
 

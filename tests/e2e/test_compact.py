@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.sandboxes import tree_bytes
 from tests.e2e.conftest import CONFIG, running_daemon, start_daemon, stop_daemon, vmm_pids_for
 
 pytestmark = pytest.mark.e2e
@@ -62,21 +63,6 @@ def _wait_compact(root: Path, timeout: float = 120.0) -> dict:
     raise AssertionError(f"{root} was never compacted")
 
 
-def _allocated(root: Path) -> int:
-    """Bytes the sandbox's own files hold on disk (each inode once; not the VM chroot's
-    hard links to the disk chain, whose only own member is the sandbox's disk)."""
-    seen, total = set(), 0
-    for path in root.rglob("*"):
-        if not path.is_file() or path.is_symlink():
-            continue
-        st = path.lstat()
-        if path.is_relative_to(root / "vm") and st.st_nlink > 1 or st.st_ino in seen:
-            continue
-        seen.add(st.st_ino)
-        total += st.st_blocks * 512
-    return total
-
-
 def _check_intact(api, sid: str, digest: str, pid: str) -> None:
     got = api.get(f"/v1/sandboxes/{sid}/files/root/blob.bin")
     assert got.status_code == 200 and hashlib.sha256(got.content).hexdigest() == digest
@@ -92,7 +78,7 @@ def test_a_compacted_sandbox_wakes_with_everything(config, tmp_path) -> None:
         root = d.data_dir / "sandboxes" / sid
         entry = _wait_compact(root)
         assert entry["diff"]["size"] < 40 * MIB, entry
-        assert _allocated(root) < 40 * MIB
+        assert tree_bytes(root) < 40 * MIB
         # After the compaction, a spare copy of the golden's memory (vm.ram_spares) ...
         spares = d.data_dir / "sandboxes" / ".ram-spares"
         deadline = time.monotonic() + 60

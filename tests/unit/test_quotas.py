@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
 
 import pytest
@@ -145,3 +146,22 @@ def test_admin_keys_start_unlimited_but_keep_their_own_overrides():
     assert cfg.limits_for(False, {}).max_awake == 2 and cfg.limits_for(False, {}).rate == 10
     assert cfg.limits_for(True, {}) == Limits()
     assert cfg.limits_for(True, {"max_awake": 3}).max_awake == 3
+
+
+def test_a_sandboxs_disk_usage_counts_its_own_files_not_its_chroots_links(tmp_path):
+    from gateway.sandboxes import tree_bytes
+
+    template = tmp_path / "images" / "rootfs.ext4"
+    template.parent.mkdir()
+    template.write_bytes(b"t" * (1 << 20))
+    root = tmp_path / "sandbox"
+    chroot = root / "vm" / "images"
+    chroot.mkdir(parents=True)
+    (root / "memory").write_bytes(b"m" * (2 << 20))
+    (root / "disk.qcow2").write_bytes(b"d" * (1 << 20))
+    os.link(root / "disk.qcow2", root / "vm" / "disk.qcow2")  # its own disk, linked in
+    os.link(template, chroot / "rootfs.ext4")  # the template's, linked in
+    (root / "vm" / "vmm.log").write_bytes(b"l" * 4096)  # its own, only in the chroot
+    blocks = lambda p: p.lstat().st_blocks * 512  # noqa: E731
+    assert tree_bytes(root) == (blocks(root / "memory") + blocks(root / "disk.qcow2")
+                                + blocks(root / "vm" / "vmm.log"))
