@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from collections.abc import Iterator
 
@@ -133,6 +134,19 @@ def sh(*argv: str) -> str:
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)}: {proc.stderr.strip()}")
     return proc.stdout
+
+
+def link_local(ns: str, dev: str) -> str:
+    """The (non-tentative) IPv6 link-local address of ``dev`` in namespace ``ns``."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        out = json.loads(sh("ip", "-n", ns, "-j", "-6", "addr", "show", "dev", dev,
+                            "scope", "link"))
+        for info in (a for link in out for a in link["addr_info"]):
+            if "local" in info and not info.get("tentative"):
+                return info["local"]
+        time.sleep(0.2)
+    raise AssertionError(f"no link-local address on {ns}/{dev}")
 
 
 _RAW_UDP = r"""

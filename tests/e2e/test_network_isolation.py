@@ -35,8 +35,8 @@ import pytest
 
 from tests.e2e.conftest import running_daemon
 from guest.protocol import GUEST_ADDR, TAP_MAC
-from tests.netprobe import (LISTENER, listener, parse_probe, probe, probe_code, raw_udp_code,
-                            sh, udp_seen)
+from tests.netprobe import (LISTENER, link_local, listener, parse_probe, probe, probe_code,
+                            raw_udp_code, sh, udp_seen)
 
 pytestmark = pytest.mark.e2e
 
@@ -337,7 +337,7 @@ def test_guest_cannot_reach_its_own_namespace_over_ipv4_or_ipv6(api, pair, tmp_p
     log = tmp_path / "udp.log"
     log.touch()
     with listener(PORT, "sandbox-ns", netns=ns, udp_log=str(log)):
-        ll = _link_local(ns, "tap0")
+        ll = link_local(ns, "tap0")
         guest_addr, _ = slot_of(a)
         inside = {"tap-v4": "169.254.0.22", "veth-v4": guest_addr, "tap-v6-ll": f"{ll}%tap0"}
         got = wait_reached([(k, v, PORT, None) for k, v in inside.items()], "sandbox-ns",
@@ -453,15 +453,3 @@ def _guest_ifname(api, sid: str) -> str:
     out = run(api, sid, command="ls /sys/class/net | grep -v '^lo$' | head -1")["stdout"]
     assert out.strip(), out
     return out.strip()
-
-
-def _link_local(ns: str, dev: str) -> str:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        out = json.loads(sh("ip", "-n", ns, "-j", "-6", "addr", "show", "dev", dev,
-                            "scope", "link"))
-        for info in (a for link in out for a in link["addr_info"]):
-            if "local" in info and not info.get("tentative"):
-                return info["local"]
-        time.sleep(0.2)
-    raise AssertionError(f"no link-local address on {ns}/{dev}")

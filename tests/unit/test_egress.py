@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from gateway.config import ConfigError, load
-from tests.netprobe import listener, probe, sh
+from tests.netprobe import link_local, listener, probe, sh
 from vmctl import network
 from vmctl.egress import EgressPolicy, HostFacts, ruleset
 from vmctl.network import NetSlot, NetworkConfig
@@ -126,18 +124,6 @@ def _wire(g: str, s: str, w: str) -> None:
     sh("ip", "netns", "exec", s, "sysctl", "-qw", "net.ipv4.ip_forward=1")
 
 
-def _link_local(ns: str, dev: str) -> str:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        out = json.loads(sh("ip", "-n", ns, "-j", "-6", "addr", "show", "dev", dev,
-                            "scope", "link"))
-        for info in (a for link in out for a in link["addr_info"]):
-            if "local" in info and not info.get("tentative"):
-                return info["local"]
-        time.sleep(0.2)
-    raise AssertionError(f"no link-local address on {ns}/{dev}")
-
-
 @pytest.fixture
 def three_namespaces():
     names = tuple(f"abt{role}{os.getpid()}" for role in "gsw")
@@ -160,7 +146,7 @@ DENIED = [("private", "10.9.9.9"), ("metadata", "169.254.169.254"),
 
 def _targets(g: str, s: str) -> list:
     targets = [(label, addr, PORT, None) for label, addr in ALLOWED + DENIED]
-    targets.append(("namespace-v6-link-local", f"{_link_local(s, 'tap0')}%eth0", PORT, None))
+    targets.append(("namespace-v6-link-local", f"{link_local(s, 'tap0')}%eth0", PORT, None))
     targets.append(("spoofed-source", "198.51.100.10", PORT, "10.77.0.5"))
     return targets
 
