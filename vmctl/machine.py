@@ -83,6 +83,7 @@ class RestoreError(VmctlError):
 
 
 SYNC_TIMEOUT_S = 20.0  # guest filesystems flushed before a snapshot (cold-boot fallback)
+REFILL_DELAY = 5.0  # seconds after a compact wake before its spare RAM file is remade
 
 
 async def _settled(fut: asyncio.Future) -> BaseException | None:
@@ -200,6 +201,7 @@ class Machine:
         *before* the VMM is stopped, so a crash in between leaves either a running
         VM or a complete snapshot of a paused one, never neither."""
         assert self.driver is not None
+        await self._stop_seal()  # a spare refill still running (``_refill_spares``)
         if self.paused:  # snapshot of a paused sandbox: let it flush its filesystems first
             await self.driver.resume()
             self.paused = False
@@ -340,7 +342,40 @@ class Machine:
             await self._start_from(snap, consumes=self.snapshot_dir)
         # The guest now writes to the memory file and disk the snapshot described.
         shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+        if prepared is not None:
+            self._refill_spares()
         return (time.monotonic() - started) * 1000
+
+    def _refill_spares(self) -> None:
+        """After a wake from a compact snapshot (which may have taken the golden's spare RAM
+        file), make the spares whole again in the background, ``REFILL_DELAY`` later (not
+        while the woken guest serves its first requests), so that the next compact wake of
+        this template writes only its diff too. Stopped like the seal (``_stop_seal``)."""
+        spares = self.spares_dir
+        if spares is None:
+            return
+        golden = self.plan.golden.snapshot.memory
+        count = self.backend.config.ram_spares
+        cancel, woken = threading.Event(), asyncio.Event()
+
+        async def refill() -> None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(woken.wait(), REFILL_DELAY)
+                return  # stopped first
+            try:
+                made = await asyncio.get_running_loop().run_in_executor(
+                    None, ramspare.fill, spares, golden, count, cancel)
+            except (memdiff.Cancelled, OSError) as exc:
+                if not isinstance(exc, memdiff.Cancelled):
+                    log.warning("sandbox %s: refilling the spare RAM file failed: %s",
+                                self.plan.vm_id, exc)
+                return
+            if made:
+                log.info("sandbox %s: %d spare RAM file(s) refilled", self.plan.vm_id, made)
+
+        self._seal_cancel, self._seal_wake = cancel, woken
+        self._seal = asyncio.get_running_loop().create_task(
+            refill(), name=f"refill {self.plan.vm_id}")
 
     async def _start_overlapped(self, prepared: store.Rebuild | None, started: float) -> None:
         """Start the VMM now; the snapshot work runs meanwhile in a worker thread, which

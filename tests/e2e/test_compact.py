@@ -90,6 +90,12 @@ def test_a_compacted_sandbox_wakes_with_everything(config, tmp_path) -> None:
         # ... became the sandbox's RAM file: the wake wrote only the diff into it.
         assert (root / "memory").stat().st_ino == inode and not list(spares.glob("*/*.ram"))
         assert not (root / "snapshot").exists()  # the wake consumed and dropped it
+        # The wake refills it (machine.REFILL_DELAY later), for the next compact wake.
+        deadline = time.monotonic() + 90
+        while not list(spares.glob("*/*.ram")) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        [refilled] = spares.glob("*/*.ram")
+        assert refilled.stat().st_ino != inode
         # A second cycle: the rebuilt memory file is the sandbox's RAM again.
         _ok(api.post(f"/v1/sandboxes/{sid}/suspend"))
         _wait_compact(root)
