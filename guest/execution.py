@@ -195,7 +195,7 @@ class Executor:
             return dataclasses.replace(result, files=outputs.changed(before, after))
         finally:
             if script:
-                _unlink_quietly(script)
+                unlink_quietly(script)
 
     def _argv(self, req: ExecRequest, script: str | None) -> list[str]:
         if req.command is not None:
@@ -343,7 +343,7 @@ def _write_script(code: str) -> str:
     return path
 
 
-def _unlink_quietly(path: str) -> None:
+def unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
     except OSError:

@@ -41,7 +41,7 @@ import socket
 import tempfile
 import time
 
-from guest.execution import kill_group
+from guest.execution import kill_group, unlink_quietly
 
 log = logging.getLogger("agentbox.guest.zygote")
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote_worker.py")
@@ -98,7 +98,7 @@ class ZygoteChild:
         if not self._done.done():
             self.returncode, self.lost = returncode, lost
             self._done.set_result(None)
-        _unlink_quietly(self._status_path)
+        unlink_quietly(self._status_path)
 
     def watch(self, closed: list[asyncio.Future[None]]) -> None:
         """Once every output pipe is at EOF, take the child's own status report if
@@ -159,13 +159,6 @@ def _read_status(path: str) -> int | None:
     except OSError:
         return None
     return int(data) if data.isdigit() else None
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 class Zygote:

@@ -33,7 +33,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -226,11 +226,24 @@ class Machine:
         worker thread: hundreds of ms for 512 MiB, so not on the suspend path), then, once
         the sandbox has slept ``vm.compact_after`` seconds, store that memory as its diff
         from the golden's. A wake stops both first (``_stop_seal``)."""
+        self._start_background(self._after_suspend, "seal")
+
+    def _start_background(self, work: Callable[[threading.Event, asyncio.Event],
+                                               Awaitable[None]], name: str) -> None:
+        """Run ``work(cancel, woken)`` as the machine's one background task on its files,
+        which ``_stop_seal`` stops (sets both) and waits for."""
         self._seal_cancel = threading.Event()
         self._seal_wake = asyncio.Event()
         self._seal = asyncio.get_running_loop().create_task(
-            self._after_suspend(self._seal_cancel, self._seal_wake),
-            name=f"seal {self.plan.vm_id}")
+            work(self._seal_cancel, self._seal_wake), name=f"{name} {self.plan.vm_id}")
+
+    async def _fill_spares(self, cancel: threading.Event) -> int:
+        """Make the golden's spare RAM files whole (``vmctl.ramspare``; a worker thread)."""
+        if self.spares_dir is None:
+            return 0
+        return await asyncio.get_running_loop().run_in_executor(
+            None, ramspare.fill, self.spares_dir, self.plan.golden.snapshot.memory,
+            self.backend.config.ram_spares, cancel)
 
     async def _after_suspend(self, cancel: threading.Event, woken: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
@@ -248,9 +261,7 @@ class Machine:
             if saved is not None:
                 log.info("sandbox %s: memory snapshot compacted (%d MiB saved)",
                          self.plan.vm_id, saved >> 20)
-            if self.spares_dir is not None:  # so that its wake writes only the diff
-                await loop.run_in_executor(None, ramspare.fill, self.spares_dir, golden,
-                                           self.backend.config.ram_spares, cancel)
+            await self._fill_spares(cancel)  # so that its wake writes only the diff
         except (store.SealCancelled, memdiff.Cancelled):
             pass
         except Exception as exc:  # the snapshot stays as it was: usable, just not compact
@@ -351,31 +362,23 @@ class Machine:
         file), make the spares whole again in the background, ``REFILL_DELAY`` later (not
         while the woken guest serves its first requests), so that the next compact wake of
         this template writes only its diff too. Stopped like the seal (``_stop_seal``)."""
-        spares = self.spares_dir
-        if spares is None:
+        if self.spares_dir is not None:
+            self._start_background(self._refill, "refill")
+
+    async def _refill(self, cancel: threading.Event, woken: asyncio.Event) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(woken.wait(), REFILL_DELAY)
+            return  # stopped first
+        try:
+            made = await self._fill_spares(cancel)
+        except memdiff.Cancelled:
             return
-        golden = self.plan.golden.snapshot.memory
-        count = self.backend.config.ram_spares
-        cancel, woken = threading.Event(), asyncio.Event()
-
-        async def refill() -> None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(woken.wait(), REFILL_DELAY)
-                return  # stopped first
-            try:
-                made = await asyncio.get_running_loop().run_in_executor(
-                    None, ramspare.fill, spares, golden, count, cancel)
-            except (memdiff.Cancelled, OSError) as exc:
-                if not isinstance(exc, memdiff.Cancelled):
-                    log.warning("sandbox %s: refilling the spare RAM file failed: %s",
-                                self.plan.vm_id, exc)
-                return
-            if made:
-                log.info("sandbox %s: %d spare RAM file(s) refilled", self.plan.vm_id, made)
-
-        self._seal_cancel, self._seal_wake = cancel, woken
-        self._seal = asyncio.get_running_loop().create_task(
-            refill(), name=f"refill {self.plan.vm_id}")
+        except OSError as exc:
+            log.warning("sandbox %s: refilling the spare RAM file failed: %s",
+                        self.plan.vm_id, exc)
+            return
+        if made:
+            log.info("sandbox %s: %d spare RAM file(s) refilled", self.plan.vm_id, made)
 
     async def _start_overlapped(self, prepared: store.Rebuild | None, started: float) -> None:
         """Start the VMM now; the snapshot work runs meanwhile in a worker thread, which

@@ -33,6 +33,7 @@ import time
 import uuid
 from pathlib import Path
 
+from images.manifest import fsync_dir
 from vmctl import memdiff
 
 SPARES_DIR = ".ram-spares"
@@ -58,7 +59,7 @@ def take(directory: Path, golden: Path, dest: Path) -> bool:
             os.rename(sub / name, dest)
         except FileNotFoundError:  # another wake took it first
             continue
-        _fsync_dir(dest.parent)
+        fsync_dir(dest.parent)
         return True
     return False
 
@@ -107,7 +108,7 @@ def fill(directory: Path, golden: Path, count: int,
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
-            _fsync_dir(sub)
+            fsync_dir(sub)
             made += 1
         return made
 
@@ -129,11 +130,3 @@ def prune(directory: Path) -> None:
                 current = False
             if not current:
                 shutil.rmtree(sub, ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -102,33 +103,56 @@ def test_a_compacted_sandbox_wakes_with_everything(config, tmp_path) -> None:
         _check_intact(api, sid, digest, pid)
 
 
-@pytest.mark.parametrize("point", ["compact.recorded", "expand.rebuilt"])
-def test_daemon_killed_while_compacting_or_rebuilding(config, tmp_path, point) -> None:
-    data = tmp_path / "data"
+def _prepared_then_stopped(data: Path, config: Path,
+                           compact: bool) -> tuple[str, str, str, Path, dict | None]:
+    """A sandbox prepared (``_prepare``) by a daemon that is then stopped, with
+    ``compact`` once its snapshot is compact: (sid, digest, pid, root, memory entry)."""
     plain = start_daemon(data, config=config)
     try:
         with plain.client() as api:
             sid, digest, pid = _prepare(api)
         root = data / "sandboxes" / sid
-        if point == "expand.rebuilt":
-            _wait_compact(root)
+        entry = _wait_compact(root) if compact else None
     finally:
         stop_daemon(plain)
-    # The armed daemon dies at the point: while compacting (at start-up nothing compacts,
-    # so arm it and suspend again) or while a wake rebuilds the memory.
+    return sid, digest, pid, root, entry
+
+
+def _die_at(data: Path, config: Path, point: str,
+            provoke: Callable[[httpx.Client], None]) -> None:
+    """Start a daemon armed to kill itself at fault ``point``, ``provoke(api)`` it, and
+    check that it died there."""
     armed = start_daemon(data, config=config, env={"AGENTBOX_FAULTS": f"{point}=1"})
     try:
         with armed.client() as api:
-            if point == "compact.recorded":
-                _ok(api.post(f"/v1/sandboxes/{sid}/execute", json={"command": "true"}))
-                _ok(api.post(f"/v1/sandboxes/{sid}/suspend"))
-            else:
-                with pytest.raises(httpx.TransportError):  # the daemon died under it
-                    api.post(f"/v1/sandboxes/{sid}/execute", json={"command": "true"})
+            provoke(api)
         armed.proc.wait(120)
         assert armed.proc.returncode == -signal.SIGKILL, armed.log_tail()
     finally:
         stop_daemon(armed)
+
+
+def _wake_under_a_dying_daemon(api: httpx.Client, sid: str) -> None:
+    with pytest.raises(httpx.TransportError):  # the daemon died under it
+        api.post(f"/v1/sandboxes/{sid}/execute", json={"command": "true"})
+
+
+@pytest.mark.parametrize("point", ["compact.recorded", "expand.rebuilt"])
+def test_daemon_killed_while_compacting_or_rebuilding(config, tmp_path, point) -> None:
+    data = tmp_path / "data"
+    sid, digest, pid, root, _ = _prepared_then_stopped(data, config,
+                                                       compact=point == "expand.rebuilt")
+
+    # The armed daemon dies at the point: while compacting (at start-up nothing compacts,
+    # so arm it and suspend again) or while a wake rebuilds the memory.
+    def provoke(api: httpx.Client) -> None:
+        if point == "compact.recorded":
+            _ok(api.post(f"/v1/sandboxes/{sid}/execute", json={"command": "true"}))
+            _ok(api.post(f"/v1/sandboxes/{sid}/suspend"))
+        else:
+            _wake_under_a_dying_daemon(api, sid)
+
+    _die_at(data, config, point, provoke)
     manifest = json.loads((root / "snapshot" / "manifest.json").read_text())
     assert "diff" in manifest["files"]["memory"]  # died in the middle, as intended
     with running_daemon(data, config=config) as d, d.client() as api:
@@ -142,22 +166,9 @@ def test_daemon_killed_while_the_early_vmm_waits_for_the_rebuild(config, tmp_pat
     QEMU must not outlive the next start-up, and the memory file, rebuilt again from
     whatever the dead rebuild left, must be the suspended RAM byte for byte."""
     data = tmp_path / "data"
-    plain = start_daemon(data, config=config)
-    try:
-        with plain.client() as api:
-            sid, digest, pid = _prepare(api)
-        root = data / "sandboxes" / sid
-        sealed = _wait_compact(root)["sha256"]  # the whole RAM file's, hashed at suspend
-    finally:
-        stop_daemon(plain)
-    armed = start_daemon(data, config=config, env={"AGENTBOX_FAULTS": "restore.waiting=1"})
-    try:
-        with armed.client() as api, pytest.raises(httpx.TransportError):
-            api.post(f"/v1/sandboxes/{sid}/execute", json={"command": "true"})
-        armed.proc.wait(120)
-        assert armed.proc.returncode == -signal.SIGKILL, armed.log_tail()
-    finally:
-        stop_daemon(armed)
+    sid, digest, pid, root, entry = _prepared_then_stopped(data, config, compact=True)
+    sealed = entry["sha256"]  # the whole RAM file's, hashed at suspend
+    _die_at(data, config, "restore.waiting", lambda api: _wake_under_a_dying_daemon(api, sid))
     orphans = vmm_pids_for(str(data))
     assert orphans, "the early QEMU should have been up when the daemon died"
     assert (root / "memory").exists()  # prepared at its final path before QEMU started
