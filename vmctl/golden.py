@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from guest.protocol import DEFAULT_CONTEXT, CreateContextRequest, ExecRequest
-from vmctl import agent_interp, network, store
+from vmctl import agent_interp, memdiff, network, store
 from vmctl.agent_client import AgentClient
 from vmctl.backend import Backend
 from vmctl.errors import ImageError
@@ -179,6 +179,7 @@ async def _build(image, backend: Backend, final: Path,  # type: ignore[no-untype
             await agent.aclose()
         snap = await driver.snapshot(tmp)
         await driver.destroy()
+        await asyncio.to_thread(memdiff.punch_zero_pages, snap.memory)
         if backend.confined:
             _give_back_to_root(snap)
         meta = {"template": image.name, "kernel": str(boot.kernel), "cmdline": boot.cmdline,

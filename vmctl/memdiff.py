@@ -22,6 +22,7 @@ data is stored like any other differing page.
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import functools
 import os
@@ -38,6 +39,7 @@ _ZERO_BLOCK = bytes(_BLOCK)
 _ZERO_PAGE = bytes(PAGE)
 _SYNC_FILE_RANGE_WRITE = 2
 _WRITEBACK = 8 << 20
+_FALLOC_PUNCH_HOLE_KEEP_SIZE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
 _FICLONE = 0x40049409  # ioctl: share all of a file's extents (a reflink)
 
 
@@ -231,26 +233,58 @@ def golden_runs(golden: Path) -> list[tuple[int, int]]:
     runs = _runs.get(key)
     if runs is not None:
         return runs
-    runs = []
     fd = os.open(golden, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        for start, end in _data_ranges(fd, st.st_size):
-            for block in range(start, end, _BLOCK):
-                data = memoryview(_read(fd, block, min(_BLOCK, end - block)))
-                if data == _ZERO_BLOCK[:len(data)]:
-                    continue
-                for p in range(0, len(data), PAGE):
-                    if data[p:p + PAGE] == _ZERO_PAGE[:len(data) - p]:
-                        continue
-                    at = block + p
-                    if runs and runs[-1][1] == at:
-                        runs[-1] = (runs[-1][0], at + min(PAGE, len(data) - p))
-                    else:
-                        runs.append((at, at + min(PAGE, len(data) - p)))
+        runs = _nonzero_runs(fd, st.st_size)
     finally:
         os.close(fd)
     _runs[key] = runs
     return runs
+
+
+def _nonzero_runs(fd: int, size: int) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for start, end in _data_ranges(fd, size):
+        for block in range(start, end, _BLOCK):
+            data = memoryview(_read(fd, block, min(_BLOCK, end - block)))
+            if data == _ZERO_BLOCK[:len(data)]:
+                continue
+            for p in range(0, len(data), PAGE):
+                if data[p:p + PAGE] == _ZERO_PAGE[:len(data) - p]:
+                    continue
+                at = block + p
+                if runs and runs[-1][1] == at:
+                    runs[-1] = (runs[-1][0], at + min(PAGE, len(data) - p))
+                else:
+                    runs.append((at, at + min(PAGE, len(data) - p)))
+    return runs
+
+
+def punch_zero_pages(path: Path) -> int:
+    """Make every all-zero page of ``path`` a hole (same contents, fewer blocks; fsynced);
+    returns the bytes of blocks it gave back (0 where the filesystem cannot punch holes).
+    A golden's RAM file needs it: its guest zeroes every page it frees (``init_on_free``),
+    so every page it ever freed, at boot all of RAM, is written zeros, which each sandbox's
+    copy and each compaction would otherwise read."""
+    libc = _libc()
+    if libc is None:
+        return 0
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        size, before = os.fstat(fd).st_size, os.fstat(fd).st_blocks * 512
+        at = 0
+        for start, end in [*_nonzero_runs(fd, size), (size, size)]:
+            if start > at and libc.fallocate(fd, _FALLOC_PUNCH_HOLE_KEEP_SIZE,
+                                             ctypes.c_int64(at), ctypes.c_int64(start - at)):
+                err = ctypes.get_errno()
+                if err == errno.EOPNOTSUPP:
+                    return 0
+                raise OSError(err, f"cannot punch holes in {path}: {os.strerror(err)}")
+            at = end
+        os.fsync(fd)
+        return before - os.fstat(fd).st_blocks * 512
+    finally:
+        os.close(fd)
 
 
 def _start_writeback(fd: int, off: int = 0, n: int = 0) -> None:

@@ -114,3 +114,27 @@ def test_a_rebuild_refuses_a_file_of_the_wrong_size(tmp_path: Path) -> None:
     (tmp_path / "o").write_bytes(b"short")
     with pytest.raises(memdiff.DiffError, match="not 4194304"):
         memdiff.rebuild(tmp_path / "d", tmp_path / "g", tmp_path / "o")
+
+
+def test_punching_zero_pages_keeps_the_bytes_and_frees_their_blocks(tmp_path: Path) -> None:
+    page, path = memdiff.PAGE, tmp_path / "g"
+    rng = random.Random(3)
+    pages = [bytes(page) if rng.random() < 0.6 else rng.randbytes(page) for _ in range(1024)]
+    pages[-1] = bytes(page - 1) + b"x"  # a non-zero last byte keeps its page
+    with open(path, "wb") as f:  # every page written: zero ones too, as a zeroing guest does
+        f.write(b"".join(pages))
+        f.truncate(6 * MIB)  # and a hole after them
+    before, digest = path.stat().st_blocks * 512, _digest(path)
+    freed = memdiff.punch_zero_pages(path)
+    assert _digest(path) == digest and path.stat().st_size == 6 * MIB
+    # Every zero page is a hole and every other page data (st_blocks also counts the
+    # extent tree the holes cost, so the freed bytes are compared loosely).
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert memdiff._data_ranges(fd, 6 * MIB) == memdiff.golden_runs(path)
+    finally:
+        os.close(fd)
+    zero = sum(p == bytes(page) for p in pages)
+    assert zero * page - 64 * 1024 <= freed == before - path.stat().st_blocks * 512
+    assert memdiff.golden_runs(path)[-1][1] == 1024 * page  # its one non-zero byte kept it
+    assert memdiff.punch_zero_pages(path) <= 0  # nothing left to give back
