@@ -24,6 +24,7 @@ import pytest
 
 from guest import protocol
 from images.catalog import TemplateImage, build_template, load_template
+from vmctl.drivers.qemu import TCG_CPU
 
 pytestmark = pytest.mark.e2e
 
@@ -60,7 +61,7 @@ class Guest:
                f"dhcpstart=169.254.0.100,hostfwd=tcp:127.0.0.1:{self.port}-"
                f"{protocol.GUEST_ADDR}:{protocol.AGENT_PORT}")
         self.argv = [
-            QEMU, "-M", "microvm", "-accel", "tcg", "-cpu", "max", "-m", str(image.mem_mib),
+            QEMU, "-M", "microvm", "-accel", "tcg", "-cpu", TCG_CPU, "-m", str(image.mem_mib),
             "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
             "-kernel", str(image.kernel), "-initrd", str(image.initrd),
             "-append", image.cmdline,
