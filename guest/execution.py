@@ -212,7 +212,8 @@ class Executor:
         self.owner.add(proc)
         try:
             timed_out = await _wait_or_kill(proc, timeout)
-            await asyncio.wait([p.closed for p in pipes], timeout=DRAIN_GRACE)
+            if not all(p.closed.done() for p in pipes):  # (early completion: both are)
+                await asyncio.wait([p.closed for p in pipes], timeout=DRAIN_GRACE)
         except BaseException:
             # Cancelled (client gone, shutdown): nothing of this exec may outlive it.
             kill_group(proc.pid)

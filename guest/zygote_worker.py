@@ -69,7 +69,6 @@ import importlib.machinery
 import json
 import os
 import select
-import selectors
 import signal
 import site
 import socket
@@ -83,6 +82,7 @@ MAX_MESSAGE = 256 * 1024
 CANNOT_START = 120  # a child's exit status when its set-up failed
 SPARE_BACKOFF = 1.0  # seconds before the next spare after a child could not start
 TOP_FD = 1 << 20  # closerange end: the kernel clamps it to what is open
+FORK_WARNS = sys.version_info >= (3, 12)  # about forking with C threads (DeprecationWarning)
 
 
 def watched_dirs() -> dict[str, int]:
@@ -98,11 +98,25 @@ def _mtime(path: str) -> int:
         return -1
 
 
+def fork() -> int:
+    """``os.fork``, quiet about threads (3.12+ warns when C extensions started some)."""
+    if not FORK_WARNS:
+        return os.fork()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return os.fork()
+
+
 class Zygote:
+    """Every write the zygote makes after a fork costs it a copy-on-write fault (its
+    pages are shared with the child), so the per-fork path is kept short: epoll
+    directly (no selectors), replies formatted as bytes (no json)."""
+
     def __init__(self, ctl: socket.socket) -> None:
         self.ctl = ctl
-        self.sel = selectors.DefaultSelector()
-        self.sel.register(ctl, selectors.EVENT_READ)
+        self.ctl_fd = ctl.fileno()
+        self.poll = select.epoll()
+        self.poll.register(self.ctl_fd, select.EPOLLIN)
         self.children: dict[int, int] = {}  # pidfd -> pid
         self.watch = watched_dirs()
         self.stale = False
@@ -120,12 +134,12 @@ class Zygote:
                 if wait <= 0:
                     wait = None
                     self.fork_spare()
-            for key, _ in self.sel.select(wait):
-                if key.fileobj is self.ctl:
+            for fd, _ in self.poll.poll(-1 if wait is None else wait):
+                if fd == self.ctl_fd:
                     if not self.receive():
                         return  # the agent is gone: our children are init's now
                 else:
-                    self.reap(key.fd)
+                    self.reap(fd)
 
     def receive(self) -> bool:
         try:
@@ -150,28 +164,30 @@ class Zygote:
             self.stale = True
             self.send({"id": req["id"], "stale": True})
             return
+        req_id = int(req["id"])
         try:
-            with warnings.catch_warnings():  # 3.12+ warns about forking with C threads
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pid = os.fork()
+            pid = fork()
         except OSError as exc:
-            self.send({"id": req["id"], "error": f"fork: {exc}"})
+            self.send({"id": req_id, "error": f"fork: {exc}"})
             return
         if pid == 0:
             self.become_child(req, fds)  # never returns
+        self.watch_child(pid)
+        self.ctl.send(b'{"id": %d, "pid": %d}' % (req_id, pid))
+
+    def watch_child(self, pid: int) -> None:
         pidfd = os.pidfd_open(pid)
         self.children[pidfd] = pid
-        self.sel.register(pidfd, selectors.EVENT_READ)
-        self.send({"id": req["id"], "pid": pid})
+        self.poll.register(pidfd, select.EPOLLIN)
 
     def reap(self, pidfd: int) -> None:
         pid = self.children.pop(pidfd)
-        self.sel.unregister(pidfd)
+        self.poll.unregister(pidfd)  # (before the close: a younger child may hold a copy)
         os.close(pidfd)
-        _, status = os.waitpid(pid, 0)
-        if os.waitstatus_to_exitcode(status) == CANNOT_START:  # no spare loop if they all fail
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        if code == CANNOT_START:  # no spare loop if they all fail
             self.spare_after = time.monotonic() + SPARE_BACKOFF
-        self.send({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
+        self.ctl.send(b'{"pid": %d, "returncode": %d}' % (pid, code))
 
     def fork_spare(self) -> None:
         """Fork a spare child and hand the agent its socket (``{"type": "spare"}``).
@@ -191,9 +207,7 @@ class Zygote:
     def _fork_spare(self) -> bool:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pid = os.fork()
+            pid = fork()
         except OSError:
             ours.close()
             theirs.close()
@@ -202,9 +216,7 @@ class Zygote:
             ours.close()
             self.become_spare(theirs)  # never returns
         theirs.close()
-        pidfd = os.pidfd_open(pid)
-        self.children[pidfd] = pid
-        self.sel.register(pidfd, selectors.EVENT_READ)
+        self.watch_child(pid)
         msg = {"type": "spare", "pid": pid, "watch": self.watch}
         try:
             socket.send_fds(self.ctl, [json.dumps(msg).encode()], [ours.fileno()])
@@ -217,7 +229,7 @@ class Zygote:
         """A child forked ahead of need: set up what needs no request, then wait on
         ``sock`` (the agent holds its other end) for one; EOF: exit unused."""
         try:
-            self.sel.close()
+            self.poll.close()
             self.ctl.close()
             for pidfd in self.children:
                 os.close(pidfd)
@@ -243,7 +255,7 @@ class Zygote:
     def become_child(self, req: dict, fds: list[int]) -> None:
         try:
             out, err = fds
-            self.sel.close()
+            self.poll.close()
             self.ctl.close()
             for pidfd in self.children:
                 os.close(pidfd)
