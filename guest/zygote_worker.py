@@ -118,7 +118,7 @@ class Zygote:
         self.poll = select.epoll()
         self.poll.register(self.ctl_fd, select.EPOLLIN)
         self.children: dict[int, int] = {}  # pidfd -> pid
-        self.watch = watched_dirs()
+        self.watch = watched_dirs()  # (our sys.path is fixed: only the mtimes can change)
         self.stale = False
         self.spare_after = 0.0  # monotonic time before which no spare is forked
 
@@ -160,7 +160,7 @@ class Zygote:
         return True
 
     def start(self, req: dict, fds: list[int]) -> None:
-        if self.stale or self.watch != watched_dirs():
+        if self.stale or any(_mtime(p) != m for p, m in self.watch.items()):
             self.stale = True
             self.send({"id": req["id"], "stale": True})
             return
@@ -279,6 +279,7 @@ class Zygote:
 
 
 SPARE_FD = 3  # a spare's request socket until it has its request
+ZYGOTE_ENV: dict[str, str] = {}  # ours once preloaded (never changed): every child's to start
 
 
 def prepare_early(keep: int | None = None) -> None:
@@ -335,14 +336,17 @@ def rehearse() -> None:
     scratch = types.ModuleType("__main__")
     scratch.__dict__.update(__builtins__=builtins)
     exec(compile("print(end='')\n", "<spare>", "exec"), scratch.__dict__)
-    set_environ(dict(os.environ))
+    set_environ(dict(ZYGOTE_ENV))
     importlib.invalidate_caches()
     reseed()
 
 
 def set_environ(env: dict[str, str]) -> None:
     """Make ``os.environ`` exactly ``env``, touching only what differs (each change is
-    a putenv/unsetenv; most requests share nearly all of the zygote's own)."""
+    a putenv/unsetenv; most requests share nearly all of the zygote's own, and many
+    all of it: one dict comparison, no walk through ``os.environ``'s Python mapping)."""
+    if env == ZYGOTE_ENV:
+        return
     for name in [n for n in os.environ if n not in env]:
         del os.environ[name]
     for name, value in env.items():
@@ -444,6 +448,7 @@ def main(argv: list[str]) -> None:
     # never walk (and so never copy-on-write) the zygote's pages; user objects still collect.
     gc.collect()
     gc.freeze()
+    ZYGOTE_ENV.update(os.environ)  # after the imports: one may have set a variable
     Zygote(ctl).serve()
 
 

@@ -394,3 +394,32 @@ async def test_a_forked_grandchild_does_not_speak_for_the_child(tmp_path):
             assert (await executor.run(ExecRequest(code=code))).exit_code == 5
     finally:
         await executor.zygote.aclose()
+
+
+async def test_a_preload_that_sets_a_variable_does_not_leak_it_into_children(tmp_path):
+    # Children whose request env equals the zygote's skip the walk through os.environ;
+    # the zygote's env is taken after its imports, so one that set a variable is seen.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "setsvar.py").write_text("import os\nos.environ['AGENTBOX_SET_BY_PRELOAD'] = '1'\n")
+    executor = executor_with(("setsvar",), PYTHONPATH=str(site))
+    try:
+        code = ("import os, sys\nprint('setsvar' in sys.modules, "
+                "os.environ.get('AGENTBOX_SET_BY_PRELOAD'), os.environ.get('KEEP'))")
+        for env in ({}, {"KEEP": "k"}, {}):
+            result = await executor.run(ExecRequest(code=code, env=env))
+            assert result.stdout == f"True None {env.get('KEEP')}\n", result.stderr
+    finally:
+        await executor.zygote.aclose()
+
+
+async def test_the_script_file_is_private_and_removed(client):
+    code = ("import os, stat, sys\nst = os.lstat(__file__)\n"
+            "print(stat.S_IMODE(st.st_mode) == 0o600, stat.S_ISREG(st.st_mode), __file__)")
+    seen = set()
+    for _ in range(3):
+        ok, regular, path = (await run(client, code=code)).stdout.split()
+        assert (ok, regular) == ("True", "True") and NORMALISE.fullmatch(path)
+        assert not os.path.exists(path)
+        seen.add(path)
+    assert len(seen) == 3
