@@ -262,7 +262,7 @@ class Zygote:
             os.dup2(out, 1)  # before the fds above 2 are closed
             os.dup2(err, 2)
             prepare_early()
-            prepare_late(req, 1, 2)
+            prepare_late(req, 1, 2, just_forked=True)
         except BaseException as exc:  # nothing of ours may run on in the child
             try:
                 os.write(2, f"agentbox zygote: cannot start: {exc!r}\n".encode())
@@ -295,8 +295,10 @@ def prepare_early(keep: int | None = None) -> None:
         os.closerange(keep + 1, TOP_FD)
 
 
-def prepare_late(req: dict, out: int, err: int) -> None:
-    """The rest, from the request: what ``python3 -u SCRIPT`` would have started as."""
+def prepare_late(req: dict, out: int, err: int, just_forked: bool = False) -> None:
+    """The rest, from the request: what ``python3 -u SCRIPT`` would have started as.
+    ``just_forked``: forked for this request (not a spare, which may have been forked
+    before the golden snapshot was taken): ``random`` reseeded itself at the fork."""
     if (out, err) != (1, 2):
         os.dup2(out, 1)
         os.dup2(err, 2)
@@ -308,7 +310,7 @@ def prepare_late(req: dict, out: int, err: int) -> None:
     sys.argv[:] = [script]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     importlib.invalidate_caches()
-    reseed()
+    reseed(random_too=not just_forked)
 
 
 def background() -> None:
@@ -371,9 +373,10 @@ def report(code: int, path: str) -> None:
         pass  # the agent gets our returncode from the zygote instead
 
 
-def reseed() -> None:
-    """Fresh random state per child: ``random`` (and numpy's global RNG if loaded)."""
-    random = sys.modules.get("random")
+def reseed(random_too: bool = True) -> None:
+    """Fresh random state per child: ``random`` (and numpy's global RNG if loaded).
+    ``random_too=False``: not ``random``, whose own at-fork hook has just reseeded it."""
+    random = sys.modules.get("random") if random_too else None
     if random is not None:
         random.seed()
     np_random = sys.modules.get("numpy.random")

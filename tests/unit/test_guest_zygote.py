@@ -423,3 +423,12 @@ async def test_the_script_file_is_private_and_removed(client):
         assert not os.path.exists(path)
         seen.add(path)
     assert len(seen) == 3
+
+
+async def test_random_state_differs_between_children_forked_for_their_request(client):
+    # Four at once: at most one finds the spare, the others are forked for their request
+    # and rely on random's own at-fork reseed (the child does not reseed it again).
+    code = "import random; print(random.getrandbits(64))"
+    results = await asyncio.gather(*(run(client, code=code) for _ in range(4)))
+    assert all(r.exit_code == 0 for r in results)
+    assert len({r.stdout for r in results}) == 4
