@@ -89,6 +89,11 @@ class ZygoteChild:
     def done(self) -> bool:
         return self._done.done()
 
+    @property
+    def finished(self) -> asyncio.Future[None]:
+        """Done when ``returncode`` is known (``Executor`` waits for it directly)."""
+        return self._done
+
     async def wait(self) -> int:
         await asyncio.shield(self._done)
         assert self.returncode is not None
