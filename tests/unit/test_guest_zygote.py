@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -432,3 +433,24 @@ async def test_random_state_differs_between_children_forked_for_their_request(cl
     results = await asyncio.gather(*(run(client, code=code) for _ in range(4)))
     assert all(r.exit_code == 0 for r in results)
     assert len({r.stdout for r in results}) == 4
+
+
+async def test_modules_written_after_the_zygote_started_are_imported(client, tmp_path):
+    # The children keep the zygote's import caches (not invalidated per call): a
+    # directory's cached listing is only used while its mtime is unchanged.
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    code = (f"import sys; sys.path.insert(0, {str(pkg)!r})\n"
+            "try:\n    import later\nexcept ImportError:\n    print('missing')\n"
+            "else:\n    print(later.VALUE)\n")
+    assert (await run(client, code=code)).stdout == "missing\n"
+    (pkg / "later.py").write_text("VALUE = 'found'\n")
+    assert (await run(client, code=code)).stdout == "found\n"
+    neighbour = ("import os, sys\nd = os.path.dirname(__file__)\n"
+                 "open(os.path.join(d, 'agentbox_test_nb.py'), 'w').write('X = 1')\n")
+    try:
+        await run(client, code=neighbour)  # a module next to the scripts (sys.path[0])
+        result = await run(client, code="import agentbox_test_nb; print(agentbox_test_nb.X)")
+        assert result.stdout == "1\n", result.stderr
+    finally:
+        Path(tempfile.gettempdir(), "agentbox_test_nb.py").unlink(missing_ok=True)
