@@ -89,6 +89,11 @@ class ZygoteChild:
     def done(self) -> bool:
         return self._done.done()
 
+    @property
+    def finished(self) -> asyncio.Future[None]:
+        """Done when ``returncode`` is known (``Executor`` waits for it directly)."""
+        return self._done
+
     async def wait(self) -> int:
         await asyncio.shield(self._done)
         assert self.returncode is not None
@@ -98,7 +103,9 @@ class ZygoteChild:
         if not self._done.done():
             self.returncode, self.lost = returncode, lost
             self._done.set_result(None)
-        unlink_quietly(self._status_path)
+        if self._status_path:  # once: the zygote's report may follow the child's own
+            unlink_quietly(self._status_path)
+            self._status_path = ""
 
     def watch(self, closed: list[asyncio.Future[None]]) -> None:
         """Once every output pipe is at EOF, take the child's own status report if

@@ -18,9 +18,10 @@ every call starts from a copy of the same untouched process. The child makes
 itself look like a fresh interpreter: a new session (its pgid is its pid, so the
 agent's ``killpg`` on timeout reaches its whole tree), stdin /dev/null, fds 1/2
 the exec's pipes, every other fd closed, the request's cwd and exact env, a new
-``__main__``, ``sys.argv``/``sys.path[0]`` as for a script, import caches
-invalidated, and random state reseeded: a golden snapshot holds this process,
-so every clone of it would otherwise draw the same ``random``/numpy numbers.
+``__main__``, ``sys.argv``/``sys.path[0]`` as for a script, and random state
+reseeded: a golden snapshot holds this process, so every clone of it would
+otherwise draw the same ``random``/numpy numbers. The import caches are kept
+(see ``prepare_late``).
 
 Staleness: a package installed after we started (pip into a site dir, a new user
 site) would be invisible to our children though a fresh ``python3`` sees it. We
@@ -69,7 +70,6 @@ import importlib.machinery
 import json
 import os
 import select
-import selectors
 import signal
 import site
 import socket
@@ -83,6 +83,7 @@ MAX_MESSAGE = 256 * 1024
 CANNOT_START = 120  # a child's exit status when its set-up failed
 SPARE_BACKOFF = 1.0  # seconds before the next spare after a child could not start
 TOP_FD = 1 << 20  # closerange end: the kernel clamps it to what is open
+FORK_WARNS = sys.version_info >= (3, 12)  # about forking with C threads (DeprecationWarning)
 
 
 def watched_dirs() -> dict[str, int]:
@@ -98,13 +99,27 @@ def _mtime(path: str) -> int:
         return -1
 
 
+def fork() -> int:
+    """``os.fork``, quiet about threads (3.12+ warns when C extensions started some)."""
+    if not FORK_WARNS:
+        return os.fork()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return os.fork()
+
+
 class Zygote:
+    """Every write the zygote makes after a fork costs it a copy-on-write fault (its
+    pages are shared with the child), so the per-fork path is kept short: epoll
+    directly (no selectors), replies formatted as bytes (no json)."""
+
     def __init__(self, ctl: socket.socket) -> None:
         self.ctl = ctl
-        self.sel = selectors.DefaultSelector()
-        self.sel.register(ctl, selectors.EVENT_READ)
+        self.ctl_fd = ctl.fileno()
+        self.poll = select.epoll()
+        self.poll.register(self.ctl_fd, select.EPOLLIN)
         self.children: dict[int, int] = {}  # pidfd -> pid
-        self.watch = watched_dirs()
+        self.watch = watched_dirs()  # (our sys.path is fixed: only the mtimes can change)
         self.stale = False
         self.spare_after = 0.0  # monotonic time before which no spare is forked
 
@@ -120,12 +135,12 @@ class Zygote:
                 if wait <= 0:
                     wait = None
                     self.fork_spare()
-            for key, _ in self.sel.select(wait):
-                if key.fileobj is self.ctl:
+            for fd, _ in self.poll.poll(-1 if wait is None else wait):
+                if fd == self.ctl_fd:
                     if not self.receive():
                         return  # the agent is gone: our children are init's now
                 else:
-                    self.reap(key.fd)
+                    self.reap(fd)
 
     def receive(self) -> bool:
         try:
@@ -146,32 +161,34 @@ class Zygote:
         return True
 
     def start(self, req: dict, fds: list[int]) -> None:
-        if self.stale or self.watch != watched_dirs():
+        if self.stale or any(_mtime(p) != m for p, m in self.watch.items()):
             self.stale = True
             self.send({"id": req["id"], "stale": True})
             return
+        req_id = int(req["id"])
         try:
-            with warnings.catch_warnings():  # 3.12+ warns about forking with C threads
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pid = os.fork()
+            pid = fork()
         except OSError as exc:
-            self.send({"id": req["id"], "error": f"fork: {exc}"})
+            self.send({"id": req_id, "error": f"fork: {exc}"})
             return
         if pid == 0:
             self.become_child(req, fds)  # never returns
+        self.watch_child(pid)
+        self.ctl.send(b'{"id": %d, "pid": %d}' % (req_id, pid))
+
+    def watch_child(self, pid: int) -> None:
         pidfd = os.pidfd_open(pid)
         self.children[pidfd] = pid
-        self.sel.register(pidfd, selectors.EVENT_READ)
-        self.send({"id": req["id"], "pid": pid})
+        self.poll.register(pidfd, select.EPOLLIN)
 
     def reap(self, pidfd: int) -> None:
         pid = self.children.pop(pidfd)
-        self.sel.unregister(pidfd)
+        self.poll.unregister(pidfd)  # (before the close: a younger child may hold a copy)
         os.close(pidfd)
-        _, status = os.waitpid(pid, 0)
-        if os.waitstatus_to_exitcode(status) == CANNOT_START:  # no spare loop if they all fail
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        if code == CANNOT_START:  # no spare loop if they all fail
             self.spare_after = time.monotonic() + SPARE_BACKOFF
-        self.send({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
+        self.ctl.send(b'{"pid": %d, "returncode": %d}' % (pid, code))
 
     def fork_spare(self) -> None:
         """Fork a spare child and hand the agent its socket (``{"type": "spare"}``).
@@ -191,9 +208,7 @@ class Zygote:
     def _fork_spare(self) -> bool:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pid = os.fork()
+            pid = fork()
         except OSError:
             ours.close()
             theirs.close()
@@ -202,9 +217,7 @@ class Zygote:
             ours.close()
             self.become_spare(theirs)  # never returns
         theirs.close()
-        pidfd = os.pidfd_open(pid)
-        self.children[pidfd] = pid
-        self.sel.register(pidfd, selectors.EVENT_READ)
+        self.watch_child(pid)
         msg = {"type": "spare", "pid": pid, "watch": self.watch}
         try:
             socket.send_fds(self.ctl, [json.dumps(msg).encode()], [ours.fileno()])
@@ -217,7 +230,7 @@ class Zygote:
         """A child forked ahead of need: set up what needs no request, then wait on
         ``sock`` (the agent holds its other end) for one; EOF: exit unused."""
         try:
-            self.sel.close()
+            self.poll.close()
             self.ctl.close()
             for pidfd in self.children:
                 os.close(pidfd)
@@ -243,14 +256,14 @@ class Zygote:
     def become_child(self, req: dict, fds: list[int]) -> None:
         try:
             out, err = fds
-            self.sel.close()
+            self.poll.close()
             self.ctl.close()
             for pidfd in self.children:
                 os.close(pidfd)
             os.dup2(out, 1)  # before the fds above 2 are closed
             os.dup2(err, 2)
             prepare_early()
-            prepare_late(req, 1, 2)
+            prepare_late(req, 1, 2, just_forked=True)
         except BaseException as exc:  # nothing of ours may run on in the child
             try:
                 os.write(2, f"agentbox zygote: cannot start: {exc!r}\n".encode())
@@ -267,6 +280,7 @@ class Zygote:
 
 
 SPARE_FD = 3  # a spare's request socket until it has its request
+ZYGOTE_ENV: dict[str, str] = {}  # ours once preloaded (never changed): every child's to start
 
 
 def prepare_early(keep: int | None = None) -> None:
@@ -282,8 +296,10 @@ def prepare_early(keep: int | None = None) -> None:
         os.closerange(keep + 1, TOP_FD)
 
 
-def prepare_late(req: dict, out: int, err: int) -> None:
-    """The rest, from the request: what ``python3 -u SCRIPT`` would have started as."""
+def prepare_late(req: dict, out: int, err: int, just_forked: bool = False) -> None:
+    """The rest, from the request: what ``python3 -u SCRIPT`` would have started as.
+    ``just_forked``: forked for this request (not a spare, which may have been forked
+    before the golden snapshot was taken): ``random`` reseeded itself at the fork."""
     if (out, err) != (1, 2):
         os.dup2(out, 1)
         os.dup2(err, 2)
@@ -294,8 +310,12 @@ def prepare_late(req: dict, out: int, err: int) -> None:
     script = req["script"]
     sys.argv[:] = [script]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    importlib.invalidate_caches()
-    reseed()
+    # The import caches are not invalidated: as in any python3, a directory's cached
+    # listing is used only while its mtime is unchanged, and a change to one of our
+    # sys.path directories makes the zygote stale (``watched_dirs``). Invalidating them
+    # cost ~3 ms per call under emulation and a re-listing of every directory at the
+    # child's first import.
+    reseed(random_too=not just_forked)
 
 
 def background() -> None:
@@ -317,20 +337,22 @@ def _policy(policy: int) -> None:
 
 def rehearse() -> None:
     """Walk a spare through what running a script writes (a compile, an exec, the
-    environ, the import caches, the random state) while it waits, so that the
+    environ, the random state) while it waits, so that the
     copy-on-write faults those pages cost are taken now rather than during the
     request. Its output goes to the zygote's stdout (/dev/null)."""
     scratch = types.ModuleType("__main__")
     scratch.__dict__.update(__builtins__=builtins)
     exec(compile("print(end='')\n", "<spare>", "exec"), scratch.__dict__)
-    set_environ(dict(os.environ))
-    importlib.invalidate_caches()
+    set_environ(dict(ZYGOTE_ENV))
     reseed()
 
 
 def set_environ(env: dict[str, str]) -> None:
     """Make ``os.environ`` exactly ``env``, touching only what differs (each change is
-    a putenv/unsetenv; most requests share nearly all of the zygote's own)."""
+    a putenv/unsetenv; most requests share nearly all of the zygote's own, and many
+    all of it: one dict comparison, no walk through ``os.environ``'s Python mapping)."""
+    if env == ZYGOTE_ENV:
+        return
     for name in [n for n in os.environ if n not in env]:
         del os.environ[name]
     for name, value in env.items():
@@ -355,14 +377,27 @@ def report(code: int, path: str) -> None:
         pass  # the agent gets our returncode from the zygote instead
 
 
-def reseed() -> None:
-    """Fresh random state per child: ``random`` (and numpy's global RNG if loaded)."""
-    random = sys.modules.get("random")
+def reseed(random_too: bool = True) -> None:
+    """Fresh random state per child: ``random`` (and numpy's global RNG if loaded).
+    ``random_too=False``: not ``random``, whose own at-fork hook has just reseeded it."""
+    random = sys.modules.get("random") if random_too else None
     if random is not None:
         random.seed()
     np_random = sys.modules.get("numpy.random")
     if np_random is not None:
         np_random.seed()
+
+
+def read_file(path: str) -> bytes:
+    """The whole file, read with plain syscalls (no io objects: cheaper in a child)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
 
 
 def run_script(path: str) -> int:
@@ -373,9 +408,7 @@ def run_script(path: str) -> int:
     sys.modules["__main__"] = main
     status = 0
     try:
-        with open(path, "rb") as f:
-            source = f.read()
-        exec(compile(source, path, "exec"), main.__dict__)
+        exec(compile(read_file(path), path, "exec"), main.__dict__)
     except SystemExit as exc:
         status = exit_status(exc)
     except BaseException as exc:
@@ -432,6 +465,7 @@ def main(argv: list[str]) -> None:
     # never walk (and so never copy-on-write) the zygote's pages; user objects still collect.
     gc.collect()
     gc.freeze()
+    ZYGOTE_ENV.update(os.environ)  # after the imports: one may have set a variable
     Zygote(ctl).serve()
 
 

@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -394,3 +395,62 @@ async def test_a_forked_grandchild_does_not_speak_for_the_child(tmp_path):
             assert (await executor.run(ExecRequest(code=code))).exit_code == 5
     finally:
         await executor.zygote.aclose()
+
+
+async def test_a_preload_that_sets_a_variable_does_not_leak_it_into_children(tmp_path):
+    # Children whose request env equals the zygote's skip the walk through os.environ;
+    # the zygote's env is taken after its imports, so one that set a variable is seen.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "setsvar.py").write_text("import os\nos.environ['AGENTBOX_SET_BY_PRELOAD'] = '1'\n")
+    executor = executor_with(("setsvar",), PYTHONPATH=str(site))
+    try:
+        code = ("import os, sys\nprint('setsvar' in sys.modules, "
+                "os.environ.get('AGENTBOX_SET_BY_PRELOAD'), os.environ.get('KEEP'))")
+        for env in ({}, {"KEEP": "k"}, {}):
+            result = await executor.run(ExecRequest(code=code, env=env))
+            assert result.stdout == f"True None {env.get('KEEP')}\n", result.stderr
+    finally:
+        await executor.zygote.aclose()
+
+
+async def test_the_script_file_is_private_and_removed(client):
+    code = ("import os, stat, sys\nst = os.lstat(__file__)\n"
+            "print(stat.S_IMODE(st.st_mode) == 0o600, stat.S_ISREG(st.st_mode), __file__)")
+    seen = set()
+    for _ in range(3):
+        ok, regular, path = (await run(client, code=code)).stdout.split()
+        assert (ok, regular) == ("True", "True") and NORMALISE.fullmatch(path)
+        assert not os.path.exists(path)
+        seen.add(path)
+    assert len(seen) == 3
+
+
+async def test_random_state_differs_between_children_forked_for_their_request(client):
+    # Four at once: at most one finds the spare, the others are forked for their request
+    # and rely on random's own at-fork reseed (the child does not reseed it again).
+    code = "import random; print(random.getrandbits(64))"
+    results = await asyncio.gather(*(run(client, code=code) for _ in range(4)))
+    assert all(r.exit_code == 0 for r in results)
+    assert len({r.stdout for r in results}) == 4
+
+
+async def test_modules_written_after_the_zygote_started_are_imported(client, tmp_path):
+    # The children keep the zygote's import caches (not invalidated per call): a
+    # directory's cached listing is only used while its mtime is unchanged.
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    code = (f"import sys; sys.path.insert(0, {str(pkg)!r})\n"
+            "try:\n    import later\nexcept ImportError:\n    print('missing')\n"
+            "else:\n    print(later.VALUE)\n")
+    assert (await run(client, code=code)).stdout == "missing\n"
+    (pkg / "later.py").write_text("VALUE = 'found'\n")
+    assert (await run(client, code=code)).stdout == "found\n"
+    neighbour = ("import os, sys\nd = os.path.dirname(__file__)\n"
+                 "open(os.path.join(d, 'agentbox_test_nb.py'), 'w').write('X = 1')\n")
+    try:
+        await run(client, code=neighbour)  # a module next to the scripts (sys.path[0])
+        result = await run(client, code="import agentbox_test_nb; print(agentbox_test_nb.X)")
+        assert result.stdout == "1\n", result.stderr
+    finally:
+        Path(tempfile.gettempdir(), "agentbox_test_nb.py").unlink(missing_ok=True)
