@@ -74,7 +74,8 @@ MAX_FIELD = 8190
 MAX_HEADERS = 128
 MAX_HEAD = 32 << 10  # bytes buffered without a complete head before handing off
 PIPELINE_MAX = 256 << 10  # buffered bytes of later requests before reading pauses
-MAX_RESPONSE_HEAD = 64 << 10
+MAX_RESPONSE_HEAD = 256 << 10  # in all
+MAX_RESPONSE_FIELD = 65536  # per line: aiohttp's client (proxy.UpstreamPool) refuses longer
 POOL_MAX_IDLE = 64  # idle upstream connections per (sandbox, VMM, port)
 POOL_IDLE_S = 15.0
 GET_METHODS = ClientRequest.GET_METHODS
@@ -189,9 +190,11 @@ def bind(host: str, port: int) -> socket.socket:
 class _Head:
     """httptools callbacks for one request head."""
 
-    __slots__ = ("begun", "body", "complete", "done", "headers", "url")
+    __slots__ = ("begun", "body", "complete", "done", "headers", "keep_alive", "parser", "url")
 
     def __init__(self) -> None:
+        self.parser: Any = None
+        self.keep_alive = True
         self.url = b""
         self.headers: list[tuple[str, str]] = []
         self.begun = self.complete = self.done = 0
@@ -208,6 +211,7 @@ class _Head:
 
     def on_headers_complete(self) -> None:
         self.complete += 1
+        self.keep_alive = self.parser.should_keep_alive()  # reset once the message ends
 
     def on_body(self, body: bytes) -> None:
         self.body = True
@@ -238,7 +242,7 @@ def parse_head(raw: bytes) -> Request | None:
             or raw.find(b"\r\n") > MAX_LINE:
         return None
     cb = _Head()
-    parser = httptools.HttpRequestParser(cb)
+    parser = cb.parser = httptools.HttpRequestParser(cb)
     try:
         parser.feed_data(raw)
     except (httptools.HttpParserError, httptools.HttpParserUpgrade):
@@ -272,7 +276,7 @@ def parse_head(raw: bytes) -> Request | None:
             or version not in ("1.1", "1.0"):
         return None
     return Request(raw, method, url, (1, 1) if version == "1.1" else (1, 0), headers,
-                   hosts[0], length, parser.should_keep_alive())
+                   hosts[0], length, cb.keep_alive)
 
 
 def _query_token(query: str) -> str | None:
@@ -885,6 +889,8 @@ class Upstream(asyncio.Protocol):
         self.reason += reason.decode("latin-1")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) + len(value) + 2 > MAX_RESPONSE_FIELD:
+            raise ValueError("a response header line over the limit")
         self.headers.append((name.decode("latin-1"), value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
