@@ -189,11 +189,15 @@ async def _serve(app: web.Application, config: Config,
 
 
 def serve(config: Config) -> None:
-    import uvloop
-
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = build_app(config)
+    run(build_app(config), config)
+
+
+def run(app: web.Application, config: Config) -> None:
+    """Serve ``app`` on ``[server] listen`` until a signal (bench/gateway.py runs this too)."""
+    import uvloop
+
     if not config.server.fast_lane:
         web.run_app(app, host=config.server.host, port=config.server.port,
                     loop=uvloop.new_event_loop(), print=None, **server_options(config))

@@ -101,11 +101,26 @@ class FastLane:
         self.pool = RawPool(self.loop, server.proxy_connect_timeout)
         self.clients: set[FrontProtocol] = set()
         self.served = self.handed_off = 0  # counters (tests, debugging)
+        # One timer for every deadline (no timer per request): late by at most a tick.
+        self.tick = min(1.0, self.head_timeout / 4, self.read_timeout / 4)
+        self.ticker = self.loop.call_later(self.tick, self._sweep)
+
+    def _sweep(self) -> None:
+        now = self.loop.time()
+        for client in list(self.clients):
+            ex = client.exchange
+            if ex is None:
+                if client.head_deadline <= now:
+                    client.close()  # its head did not arrive in time (or it idled too long)
+            elif ex.up is not None and now - ex.up.last_read >= self.read_timeout:
+                ex.up.timed_out()
+        self.ticker = self.loop.call_later(self.tick, self._sweep)
 
     def __call__(self) -> FrontProtocol:
         return FrontProtocol(self)
 
     def close(self) -> None:
+        self.ticker.cancel()
         for client in list(self.clients):
             client.close()
         self.pool.close()
@@ -307,7 +322,7 @@ class FrontProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
         self.exchange: Exchange | None = None
-        self.timer: asyncio.TimerHandle | None = None
+        self.head_deadline = 0.0
         self.paused = 0  # reasons reading is paused (bits)
         self.closed = False
         self.client_ip: str | None = None
@@ -316,8 +331,7 @@ class FrontProtocol(asyncio.Protocol):
 
     # asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]
         self.lane.clients.add(self)
         peer = transport.get_extra_info("peername")
         self.client_ip = peer[0] if peer else None
@@ -378,20 +392,12 @@ class FrontProtocol(asyncio.Protocol):
         if was and not self.paused and self.transport is not None and not self.closed:
             self.transport.resume_reading()
 
-    # the head timer (aiohttp's keepalive_timeout)
+    # the head timer (aiohttp's keepalive_timeout): FastLane._sweep checks it
     def _arm(self) -> None:
-        self._disarm()
-        self.timer = self.lane.loop.call_later(self.lane.head_timeout, self._head_timeout)
+        self.head_deadline = self.lane.loop.time() + self.lane.head_timeout
 
     def _disarm(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-
-    def _head_timeout(self) -> None:
-        self.timer = None
-        if self.exchange is None:
-            self.close()
+        pass
 
     def close(self) -> None:
         if self.transport is not None and not self.closed:
@@ -804,12 +810,10 @@ class Upstream(asyncio.Protocol):
         self.idle = False
         self.idle_since = 0.0
         self.reading_paused = False
-        self.timer: asyncio.TimerHandle | None = None
         self.last_read = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -829,20 +833,11 @@ class Upstream(asyncio.Protocol):
         self.out: list[bytes] = []
         self.message_done = False
         self.last_read = self.pool.loop.time()
-        self._arm(self.ex.front.lane.read_timeout)
 
-    def _arm(self, delay: float) -> None:
-        self.timer = self.pool.loop.call_later(delay, self._timeout)
-
-    def _timeout(self) -> None:
-        self.timer = None
+    def timed_out(self) -> None:
+        """Nothing from the app for ``proxy_read_timeout`` (FastLane._sweep)."""
         ex = self.ex
         if ex is None:
-            return
-        timeout = ex.front.lane.read_timeout
-        quiet = self.pool.loop.time() - self.last_read
-        if quiet < timeout:
-            self._arm(timeout - quiet)
             return
         self._fail(UpstreamTimeout(f"the app on port {ex.target.port} did not answer in time"))
 
@@ -956,9 +951,7 @@ class Upstream(asyncio.Protocol):
         ex.complete(self.client_keep_alive)
 
     def _disarm(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        pass
 
     def _fail(self, error: ApiError) -> None:
         ex, self.ex = self.ex, None
