@@ -328,6 +328,7 @@ class FrontProtocol(asyncio.Protocol):
         self.client_ip: str | None = None
         self.scheme = "http"
         self.writing_paused = False
+        self.memo: Memo | None = None
 
     # asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -420,8 +421,13 @@ class FrontProtocol(asyncio.Protocol):
         if buf[0] in (13, 10):  # empty lines before a request: llhttp's leniency, not ours
             self.hand_off()
             return
-        req = parse_head(bytes(buf[:end + 4]))
-        ex = self._admit(req) if req is not None else None
+        raw = bytes(buf[:end + 4])
+        memo = self.memo
+        if memo is not None and memo.raw == raw and memo.valid(self.lane):
+            ex = self._lease(memo)  # the same head as last time, routed the same way
+        else:
+            req = parse_head(raw)
+            ex = self._admit(req) if req is not None else None
         if ex is None:
             self.hand_off()
             return
@@ -453,8 +459,12 @@ class FrontProtocol(asyncio.Protocol):
             return None
         if not isinstance(routed, Target):
             return None
-        ex = Exchange(self, req, routed)
-        lease = ctl.try_request(ex.aborted)
+        self.memo = Memo(req, routed, ctl, lane.access.get(found.sandbox_id))
+        return self._lease(self.memo)
+
+    def _lease(self, memo: Memo) -> Exchange | None:
+        ex = Exchange(self, memo)
+        lease = memo.ctl.try_request(ex.aborted)
         if lease is None:
             return None
         ex.lease = lease
@@ -496,13 +506,48 @@ class FrontProtocol(asyncio.Protocol):
 
 # -- one exchange ---------------------------------------------------------------------------
 
+class Memo:
+    """A connection's last request head, parsed, routed and rewritten for the app, and the
+    last response head's rewrite: keep-alive clients repeat heads byte for byte (polling,
+    load), and an identical head with identical routing inputs (the same running
+    controller, registry row and access row) is the same request, so it skips all that.
+    A response head is reused only for a Content-Length body and while its Date holds."""
+
+    __slots__ = ("access", "ctl", "raw", "rec", "req", "resp", "target", "up_head")
+
+    def __init__(self, req: Request, target: Target, ctl: Any, access: Any) -> None:
+        self.raw = req.raw
+        self.req = req
+        self.target = target
+        self.ctl = ctl
+        self.rec = ctl.rec
+        self.access = access
+        self.up_head: bytes | None = None
+        self.resp: RespMemo | None = None
+
+    def valid(self, lane: FastLane) -> bool:
+        sid = self.target.sandbox_id
+        return lane.running(sid) is self.ctl and self.ctl.rec is self.rec \
+            and lane.access.get(sid) is self.access
+
+
+class RespMemo:
+    __slots__ = ("client_keep_alive", "date", "length", "out", "raw", "up_keep_alive")
+
+    def __init__(self, raw: bytes, out: bytes, length: int, up_keep_alive: bool,
+                 client_keep_alive: bool, date: str | None) -> None:
+        self.raw, self.out, self.length = raw, out, length
+        self.up_keep_alive, self.client_keep_alive, self.date = \
+            up_keep_alive, client_keep_alive, date
+
 class Exchange:
     """One request through the fast lane: admitted, sent upstream, answered."""
 
-    def __init__(self, front: FrontProtocol, req: Request, target: Target) -> None:
+    def __init__(self, front: FrontProtocol, memo: Memo) -> None:
         self.front = front
-        self.req = req
-        self.target = target
+        self.memo = memo
+        self.req = req = memo.req
+        self.target = memo.target
         self.lease: Any = None
         self.up: Upstream | None = None
         self.body_left = req.content_length or 0
@@ -569,6 +614,11 @@ class Exchange:
         self.pump_body()
 
     def _request_head(self) -> bytes:
+        if self.memo.up_head is None:
+            self.memo.up_head = self._rewrite_head()
+        return self.memo.up_head
+
+    def _rewrite_head(self) -> bytes:
         req, target = self.req, self.target
         out = upstream_headers(
             req.headers, client_ip=self.front.client_ip, scheme=self.front.scheme,
@@ -821,7 +871,9 @@ class Upstream(asyncio.Protocol):
     # one exchange
     def begin(self, ex: Exchange) -> None:
         self.ex = ex
-        self.parser = httptools.HttpResponseParser(self)
+        self.parser: Any = None  # made on the first bytes, unless a memo answers them
+        self.raw_left = 0  # bytes of a memoized Content-Length body still to come
+        self.candidate: tuple[bytes, int, bool, str | None] | None = None
         self.head_bytes = 0
         self.headers: list[tuple[str, str]] = []
         self.reason = ""
@@ -832,6 +884,7 @@ class Upstream(asyncio.Protocol):
         self.keep_alive = True
         self.out: list[bytes] = []
         self.message_done = False
+        self.interim = False
         self.last_read = self.pool.loop.time()
 
     def timed_out(self) -> None:
@@ -847,6 +900,17 @@ class Upstream(asyncio.Protocol):
             self.close()
             return
         self.last_read = self.pool.loop.time()
+        if self.raw_left:
+            self._raw_body(ex, data)
+            return
+        first = self.parser is None
+        if first:
+            rm = ex.memo.resp
+            if rm is not None and data.startswith(rm.raw) \
+                    and (rm.date is None or rm.date == rfc822_formatted_time()):
+                self._memo_head(ex, rm, data)
+                return
+            self.parser = httptools.HttpResponseParser(self)
         if not self.responded:
             self.head_bytes += len(data)
         try:
@@ -861,6 +925,10 @@ class Upstream(asyncio.Protocol):
             return
         if self.ex is not ex:
             return  # failed inside the callbacks
+        if first and self.candidate is not None and self.responded:
+            out, length, ka, date = self.candidate
+            ex.memo.resp = RespMemo(data[:data.index(b"\r\n\r\n") + 4], out, length,
+                                    self.keep_alive, ka, date)
         if self.message_done:
             self._done()
             return
@@ -869,6 +937,28 @@ class Upstream(asyncio.Protocol):
                                   f"over {MAX_RESPONSE_HEAD} bytes"))
             return
         self._flush()
+
+    def _memo_head(self, ex: Exchange, rm: RespMemo, data: bytes) -> None:
+        """The same response head as last time for this request: its rewrite is known."""
+        self.responded = True
+        self.keep_alive = rm.up_keep_alive
+        self.client_keep_alive = rm.client_keep_alive
+        self.raw_left = rm.length
+        body = data[len(rm.raw):]
+        ex.write(rm.out)
+        if body:
+            self._raw_body(ex, body)
+        elif not self.raw_left:
+            self._done()
+
+    def _raw_body(self, ex: Exchange, data: bytes) -> None:
+        if len(data) > self.raw_left:  # more than the length said: never reuse it
+            data = data[:self.raw_left]
+            self.keep_alive = False
+        self.raw_left -= len(data)
+        ex.write(data)
+        if not self.raw_left:
+            self._done()
 
     def _flush(self) -> None:
         if self.out and self.ex is not None:
@@ -894,6 +984,7 @@ class Upstream(asyncio.Protocol):
         status = self.parser.get_status_code()
         if 100 <= status < 200:  # interim (100 Continue, 103 Early Hints): aiohttp drops them
             self.headers, self.reason = [], ""
+            self.interim = True
             return
         self.responded = True
         self.status = status
@@ -921,6 +1012,9 @@ class Upstream(asyncio.Protocol):
         self.out.append(head)
         if req.method == "HEAD":
             self.message_done = True
+        elif length is not None and "Transfer-Encoding" not in raw and self.keep_alive \
+                and not self.interim and not must_be_empty_body(req.method, status):
+            self.candidate = (head, length, ka, None if "Date" in raw else out["Date"])
 
     def on_body(self, body: bytes) -> None:
         if self.ex is None or not self.responded or self.message_done:

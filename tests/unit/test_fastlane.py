@@ -608,3 +608,38 @@ async def test_large_bodies_stream_both_ways_with_flow_control(env):
     writer.close()
     raw, resp = await exchange(env.fast, req(env, "PUT", "/plain", body=BIG))
     assert hashlib.sha256(BIG).hexdigest().encode() in resp.body
+
+
+async def test_a_repeated_head_is_routed_again_when_access_changes(env):
+    reader, writer = await connect(env.fast)
+    request = req(env, "GET", "/plain?same")
+    answers = []
+    for _ in range(3):
+        writer.write(request)
+        raw, resp = await read_response(reader)
+        assert resp.status == 200
+        answers.append(normal(raw, 0, 0))
+    assert answers[0] == answers[1] == answers[2]
+    assert env.fast.lane.served == 3
+    env.fast.app[ACCESS_KEY].rotate(SID)  # the same bytes no longer carry a valid token
+    writer.write(request)
+    raw, resp = await read_response(reader)
+    assert resp.status == 401 and b"invalid_preview_token" in resp.body
+    assert env.fast.lane.handed_off == 1
+    writer.close()
+    await settle(env)
+    assert env.ctl.active == 0
+
+
+async def test_a_repeated_head_is_not_served_while_the_sandbox_is_busy(env):
+    reader, writer = await connect(env.fast)
+    request = req(env, "GET", "/plain?same")
+    writer.write(request)
+    assert (await read_response(reader))[1].status == 200
+    env.ctl._pace = slots = asyncio.Semaphore(0)
+    writer.write(request)
+    await asyncio.sleep(0.1)
+    assert env.fast.lane.handed_off == 1 and env.up.requests == 1
+    slots.release()
+    assert (await read_response(reader))[1].status == 200
+    writer.close()
