@@ -943,12 +943,13 @@ class Upstream(asyncio.Protocol):
         self.responded = True
         self.keep_alive = rm.up_keep_alive
         self.client_keep_alive = rm.client_keep_alive
-        self.raw_left = rm.length
         body = data[len(rm.raw):]
-        ex.write(rm.out)
-        if body:
-            self._raw_body(ex, body)
-        elif not self.raw_left:
+        if len(body) > rm.length:  # more than the length said: never reuse it
+            body = body[:rm.length]
+            self.keep_alive = False
+        self.raw_left = rm.length - len(body)
+        ex.write(rm.out + body)  # one write, as aiohttp's path does for a body already here
+        if not self.raw_left:
             self._done()
 
     def _raw_body(self, ex: Exchange, data: bytes) -> None:
