@@ -98,7 +98,7 @@ class FastLane:
         self.public_https = server.public_scheme == "https"
         self.head_timeout = server.header_read_timeout
         self.read_timeout = server.proxy_read_timeout
-        self.pool = RawPool(self.loop, server.proxy_connect_timeout)
+        self.pool = RawPool(self.loop, server.proxy_connect_timeout, self.running)
         self.clients: set[FrontProtocol] = set()
         self.served = self.handed_off = 0  # counters (tests, debugging)
         # One timer for every deadline (no timer per request): late by at most a tick.
@@ -366,7 +366,6 @@ class FrontProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.lane.clients.discard(self)
-        self._disarm()
         ex, self.exchange = self.exchange, None
         if ex is not None:
             ex.abandon()
@@ -396,9 +395,6 @@ class FrontProtocol(asyncio.Protocol):
     # the head timer (aiohttp's keepalive_timeout): FastLane._sweep checks it
     def _arm(self) -> None:
         self.head_deadline = self.lane.loop.time() + self.lane.head_timeout
-
-    def _disarm(self) -> None:
-        pass
 
     def close(self) -> None:
         if self.transport is not None and not self.closed:
@@ -432,7 +428,6 @@ class FrontProtocol(asyncio.Protocol):
             self.hand_off()
             return
         del buf[:end + 4]
-        self._disarm()
         self.exchange = ex
         ex.start()
 
@@ -474,7 +469,6 @@ class FrontProtocol(asyncio.Protocol):
         """From now on the connection is aiohttp's: replay what we buffered into it."""
         if self.closed or self.transport is None:
             return
-        self._disarm()
         self.lane.clients.discard(self)
         self.lane.handed_off += 1
         transport, data = self.transport, bytes(self.buf)
@@ -499,9 +493,11 @@ class FrontProtocol(asyncio.Protocol):
         if not keep_alive:
             self.close()
             return
-        self.resume(_PAUSE_PIPE | _PAUSE_UP)
+        if self.paused:
+            self.resume(_PAUSE_PIPE | _PAUSE_UP)
         self._arm()
-        self.next_request()
+        if self.buf:
+            self.next_request()
 
 
 # -- one exchange ---------------------------------------------------------------------------
@@ -780,10 +776,13 @@ class RawPool:
     """Idle upstream connections per (sandbox, VMM pid, VMM start, address, port): a new
     VMM has a new key, so connections to an old one are never reused (and die with it)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, connect_timeout: float) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, connect_timeout: float,
+                 running: Callable[[str], Any] | None = None) -> None:
         self.loop = loop
+        self.running = running
         self.connect_timeout = connect_timeout
         self.idle: dict[tuple[Any, ...], list[Upstream]] = {}
+        self.vmm: dict[str, tuple[Any, ...]] = {}  # the VMM each sandbox's connections reach
         self.sweeper: asyncio.TimerHandle | None = None
         self.closed = False
 
@@ -805,10 +804,12 @@ class RawPool:
         if self.closed or up.lost:
             up.close()
             return
-        sandbox = up.key[0]
-        for key in [k for k in self.idle if k[0] == sandbox and k[1:3] != up.key[1:3]]:
-            for old in self.idle.pop(key):  # a new VMM: the old one's connections are dead
-                old.close()
+        sandbox, vmm = up.key[0], up.key[1:3]
+        if self.vmm.get(sandbox) != vmm:  # a new VMM: the old one's connections are dead
+            self.vmm[sandbox] = vmm
+            for key in [k for k in self.idle if k[0] == sandbox and k[1:3] != vmm]:
+                for old in self.idle.pop(key):
+                    old.close()
         conns = self.idle.setdefault(up.key, [])
         if len(conns) >= POOL_MAX_IDLE:
             up.close()
@@ -827,14 +828,19 @@ class RawPool:
                 del self.idle[up.key]
 
     def _sweep(self) -> None:
+        """Close connections idle for POOL_IDLE_S, and those of sandboxes no longer running
+        (a stopped VMM's guest never sends the FIN)."""
         self.sweeper = None
         cutoff = self.loop.time() - POOL_IDLE_S
         for key, conns in list(self.idle.items()):
-            for up in [u for u in conns if u.idle_since <= cutoff]:
+            gone = self.running is not None and self.running(key[0]) is None
+            for up in [u for u in conns if gone or u.idle_since <= cutoff]:
                 conns.remove(up)
                 up.close()
             if not conns:
                 del self.idle[key]
+        live = {key[0] for key in self.idle}
+        self.vmm = {sandbox: vmm for sandbox, vmm in self.vmm.items() if sandbox in live}
         if self.idle:
             self.sweeper = self.loop.call_later(POOL_IDLE_S, self._sweep)
 
@@ -1036,7 +1042,6 @@ class Upstream(asyncio.Protocol):
             self.out.append(b"0\r\n\r\n")
         self._flush()
         ex, self.ex = self.ex, None
-        self._disarm()
         assert ex is not None
         ex.up = None
         if self.keep_alive and not self.until_close and not ex.body_left:
@@ -1045,12 +1050,8 @@ class Upstream(asyncio.Protocol):
             self.close()
         ex.complete(self.client_keep_alive)
 
-    def _disarm(self) -> None:
-        pass
-
     def _fail(self, error: ApiError) -> None:
         ex, self.ex = self.ex, None
-        self._disarm()
         self.close()
         if ex is not None:
             ex.up = None
@@ -1089,7 +1090,6 @@ class Upstream(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        self._disarm()
         if self.idle:
             self.pool.forget(self)
         ex = self.ex

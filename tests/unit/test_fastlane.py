@@ -643,3 +643,19 @@ async def test_a_repeated_head_is_not_served_while_the_sandbox_is_busy(env):
     slots.release()
     assert (await read_response(reader))[1].status == 200
     writer.close()
+
+
+async def test_idle_connections_of_a_sandbox_that_stopped_running_are_closed(env):
+    assert (await exchange(env.fast, req(env, "GET", "/plain")))[1].status == 200
+    pool = env.fast.lane.pool
+    assert sum(map(len, pool.idle.values())) == 1
+    pool._sweep()  # still running, not idle for long: kept
+    assert sum(map(len, pool.idle.values())) == 1
+    env.ctl.core.op = object()  # e.g. a suspend under way
+    try:
+        pool._sweep()
+        assert not pool.idle
+        await asyncio.sleep(0.05)
+        assert not env.up.open
+    finally:
+        env.ctl.core.op = None
