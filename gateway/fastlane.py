@@ -983,6 +983,8 @@ class Upstream(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if len(name) + len(value) + 2 > MAX_RESPONSE_FIELD:
             raise ValueError("a response header line over the limit")
+        if len(self.headers) >= MAX_HEADERS:
+            raise ValueError("too many response headers")
         self.headers.append((name.decode("latin-1"), value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
