@@ -189,6 +189,12 @@ def make_app(registry: Registry, config: Config, ctl: SandboxController) -> web.
 
 @pytest.fixture
 async def env(tmp_path):
+    async with make_env(tmp_path) as e:
+        yield e
+
+
+@contextlib.asynccontextmanager
+async def make_env(tmp_path):  # type: ignore[no-untyped-def]
     up = Upstream()
     loop = asyncio.get_running_loop()
     up_server = await loop.create_server(lambda: Recorder(up), "127.0.0.1", 0)
