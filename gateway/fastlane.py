@@ -680,8 +680,9 @@ class Exchange:
                 return
             self.done = True
             self.lease.release()
-            self._answer_error(error)
-            self.front.finished(self, keep_alive=self.req.keep_alive and not self.body_left)
+            keep = self.req.keep_alive and not self.body_left
+            self._answer_error(error, keep)
+            self.front.finished(self, keep_alive=keep)
             return
         log.info("%s: upstream broke mid-response (%s); closing the client connection",
                  self.target.sandbox_id, error)
@@ -698,7 +699,7 @@ class Exchange:
         addr = self.key[3]
         self.connecting = self.front.lane.loop.create_task(self._connect(addr))
 
-    def _answer_error(self, error: ApiError) -> None:
+    def _answer_error(self, error: ApiError, keep_alive: bool) -> None:
         headers = self.req.headers
         resp = error_page_for(headers.get("Accept", ""), False, error.status, error.code,
                               str(error), getattr(error, "headers", None))
@@ -706,7 +707,7 @@ class Exchange:
         body = resp.body if isinstance(resp.body, bytes) else b""
         out["Content-Length"] = str(len(body))
         self.write(head_for(self.req, resp.status, resp.reason, out, length=len(body),
-                            keep_alive=self.req.keep_alive and not self.body_left)[0] + body)
+                            keep_alive=keep_alive)[0] + body)
 
     def aborted(self, error: ApiError) -> None:
         """The VM died (the controller's AbortRequests): stop, answer if we still can."""
@@ -715,7 +716,7 @@ class Exchange:
         self.done = True
         self._close_upstream()
         if not self.started:
-            self._answer_error(error)
+            self._answer_error(error, keep_alive=False)
         self.front.finished(self, keep_alive=False)
 
     def abandon(self) -> None:

@@ -122,6 +122,8 @@ class Recorder(asyncio.Protocol):
             t.write(BIG)
         elif path == "/hang":
             pass
+        elif path == "/drop":
+            t.close()
         elif path == "/bighead":
             t.write(b"HTTP/1.1 200 OK\r\n" + b"X-Pad: " + b"a" * 70000 + b"\r\n\r\n")
         elif path == "/badhead":
@@ -535,7 +537,7 @@ async def test_slow_head_is_cut_off(env):
 
 @pytest.mark.parametrize(("path", "status", "code"), [
     ("/bighead", 502, b"bad_gateway"), ("/badhead", 502, b"bad_gateway"),
-    ("/hang", 504, b"upstream_timeout")])
+    ("/hang", 504, b"upstream_timeout"), ("/drop", 502, b"bad_gateway")])
 async def test_upstream_failures_before_the_response(env, path, status, code):
     fast_raw, fast = await exchange(env.fast, req(env, "GET", path))
     slow_raw, slow = await exchange(env.slow, req(env, "GET", path))
