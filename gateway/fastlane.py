@@ -143,11 +143,15 @@ class FastSite(SockSite):
         if app is not None and HOSTS_KEY in app and SERVICE_KEY in app and ACCESS_KEY in app:
             self.lane = FastLane(app, server)
             factory = self.lane
+            log.info("preview fast lane on (gateway.fastlane; [server] fast_lane = false "
+                     "turns it off)")
         self._server = await asyncio.get_running_loop().create_server(
             factory, sock=self._sock, ssl=self._ssl_context, backlog=self._backlog)
 
     async def stop(self) -> None:
         if self.lane is not None:
+            log.info("preview fast lane: %d requests served, %d connections handed to aiohttp",
+                     self.lane.served, self.lane.handed_off)
             server = self._server
             if server is not None:
                 server.close()

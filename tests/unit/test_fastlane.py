@@ -667,3 +667,16 @@ async def test_idle_connections_of_a_sandbox_that_stopped_running_are_closed(env
         assert not env.up.open
     finally:
         env.ctl.core.op = None
+
+
+def test_sandbox_service_running_is_running_and_idle_only():
+    from gateway.sandboxes import SandboxService
+
+    ctl = SimpleNamespace(state=State.RUNNING, core=SimpleNamespace(op=None))
+    service = SimpleNamespace(_controllers={SID: ctl})
+    assert SandboxService.running(service, SID) is ctl
+    assert SandboxService.running(service, "other") is None  # no controller: use() makes one
+    ctl.core.op = object()  # an operation (suspend, pause) under way
+    assert SandboxService.running(service, SID) is None
+    ctl.core.op, ctl.state = None, State.SUSPENDED
+    assert SandboxService.running(service, SID) is None
