@@ -38,7 +38,16 @@ from types import SimpleNamespace
 from typing import Any
 
 from _common import REPO
-from proxy import SMALL, ensure_tools, free_port, start_nginx, wait_ok, wrk
+import proxy
+from proxy import SMALL, ensure_tools, free_port, start_nginx, wait_ok
+
+VARY_LUA = """
+counter = 0
+request = function()
+  counter = counter + 1
+  return wrk.format(nil, "/small?n=" .. counter)
+end
+"""
 
 SID = "0123456789abcdef"
 TARGETS = ("direct", "gateway", "gateway-aiohttp", "nginx")
@@ -226,6 +235,8 @@ def main() -> None:
     parser.add_argument("--duration", type=int, default=5)
     parser.add_argument("--connections", default="1,64")
     parser.add_argument("--profile", help="write a cProfile of the gateway (64 conns) here")
+    parser.add_argument("--vary", action="store_true",
+                        help="a different request head every time (/small?n=COUNTER)")
     sub = parser.add_subparsers(dest="role")
     up = sub.add_parser("upstream")
     up.add_argument("--port", type=int, required=True)
@@ -250,6 +261,14 @@ def main() -> None:
 
 def drive(args: argparse.Namespace) -> None:
     ensure_tools()
+    script = None
+    if args.vary:  # every request head differs (a query counter): no head is ever repeated
+        script = Path(tempfile.mkstemp(prefix="agentbox-vary-", suffix=".lua")[1])
+        script.write_text(VARY_LUA)
+
+    def wrk(url: str, c: int, duration: int, headers: dict[str, str]) -> dict[str, float]:
+        return proxy.wrk(url, c, duration, headers, str(script) if script else None)
+
     conns = [int(c) for c in args.connections.split(",")]
     work = Path(tempfile.mkdtemp(prefix="agentbox-bench-gw-"))
     up_port, gw_port = free_port(), free_port()
