@@ -49,6 +49,7 @@ from gateway.preview_auth import (
     Allow,
     Credentials,
     Deny,
+    Redirect,
     cookie_name,
     decide,
     preview_view,
@@ -197,7 +198,18 @@ def route(hostname: str, sandbox_id: str, port: int, rec: SandboxRecord | None,
           access: AccessStore, req: HostRequest) -> Target | RedirectTo:
     """The one place the rules live: where a request for a preview/session host goes
     (a ``Target``), or the redirect that sets the cookie; raises the ``ApiError`` to answer
-    instead. No I/O but the access store's cached rows."""
+    instead. No I/O but the access store's cached rows. Two steps: ``admit`` (everything
+    but the path) and ``destination`` (the path, given that decision)."""
+    decision = admit(hostname, sandbox_id, port, rec, access, req)
+    assert rec is not None
+    return destination(decision, rec.tenant, sandbox_id, port, hostname, req.secure,
+                       req.raw_path)
+
+
+def admit(hostname: str, sandbox_id: str, port: int, rec: SandboxRecord | None,
+          access: AccessStore, req: HostRequest) -> Allow | Redirect:
+    """May the request through (``Allow``), or must it be redirected to set the cookie?
+    Reads all of ``req`` but ``raw_path``; raises the ``ApiError`` to answer instead."""
     require_previewable(port)
     if rec is None or rec.state is State.DESTROYED:
         raise SandboxNotFound(sandbox_id)
@@ -216,15 +228,23 @@ def route(hostname: str, sandbox_id: str, port: int, rec: SandboxRecord | None,
         raise Forbidden(f"cross-origin {'WebSocket' if req.websocket else req.method} refused: "
                         f"the preview cookie only authorises pages on {hostname}",
                         code="cross_origin_refused")
-    path, _, query = req.raw_path.partition("?")
+    return decision
+
+
+def destination(decision: Allow | Redirect, tenant: str, sandbox_id: str, port: int,
+                hostname: str, secure: bool, raw_path: str) -> Target | RedirectTo:
+    """Where an admitted request goes: our token dropped from the URL when it was ours."""
+    path, _, query = raw_path.partition("?")
     if not isinstance(decision, Allow) or decision.strip_query_token:
         query = strip_query_param(query, TOKEN_PARAM)
     path_qs = f"{path}?{query}" if query else path
     if not isinstance(decision, Allow):  # Redirect: set the cookie, drop the token from the URL
         return RedirectTo(browser_rules.safe_location(path_qs), decision.set_cookie)
-    return Target(rec.tenant, sandbox_id, port, path_qs,
-                  drop_headers=frozenset({TOKEN_HEADER.lower()}), drop_cookie=cookie,
-                  set_cookie=decision.set_cookie)
+    return Target(tenant, sandbox_id, port, path_qs, drop_headers=_DROP,
+                  drop_cookie=cookie_name(hostname, secure), set_cookie=decision.set_cookie)
+
+
+_DROP = frozenset({TOKEN_HEADER.lower()})
 
 
 def error_page(request: web.Request, status: int, code: str, message: str,
