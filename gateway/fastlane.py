@@ -61,7 +61,15 @@ from yarl import URL
 from gateway import info
 from gateway.api import SERVICE_KEY
 from gateway.errors import ApiError
-from gateway.preview import HOSTS_KEY, HostRequest, PreviewHost, Target, error_page_for, route
+from gateway.preview import (
+    HOSTS_KEY,
+    HostRequest,
+    PreviewHost,
+    Target,
+    admit,
+    destination,
+    error_page_for,
+)
 from gateway.preview_auth import ACCESS_KEY, TOKEN_HEADER, TOKEN_PARAM
 from gateway.proxy import BadGateway, UpstreamTimeout
 from gateway.proxy_headers import downstream_headers, upstream_headers
@@ -239,6 +247,28 @@ class _Head:
         self.done += 1
 
 
+class _Url:
+    """httptools callbacks that only check a head's framing and read its target."""
+
+    __slots__ = ("begun", "complete", "done", "url")
+
+    def __init__(self) -> None:
+        self.url = b""
+        self.begun = self.complete = self.done = 0
+
+    def on_message_begin(self) -> None:
+        self.begun += 1
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_headers_complete(self) -> None:
+        self.complete += 1
+
+    def on_message_complete(self) -> None:
+        self.done += 1
+
+
 class Request:
     """One parsed request head the fast lane may serve."""
 
@@ -348,6 +378,13 @@ class FrontProtocol(asyncio.Protocol):
         self._arm()
 
     def data_received(self, data: bytes) -> None:
+        try:
+            self._received(data)
+        except Exception:  # a bug of ours: never leave the connection (or its lease) hanging
+            log.exception("fast lane: unexpected error; closing the client connection")
+            self.close()
+
+    def _received(self, data: bytes) -> None:
         ex = self.exchange
         if ex is not None and ex.body_left and not self.buf and ex.up is not None:
             n = ex.body_left
@@ -423,9 +460,8 @@ class FrontProtocol(asyncio.Protocol):
             return
         raw = bytes(buf[:end + 4])
         memo = self.memo
-        if memo is not None and memo.raw == raw and memo.valid(self.lane):
-            ex = self._lease(memo)  # the same head as last time, routed the same way
-        else:
+        ex = self._again(memo, raw) if memo is not None else None
+        if ex is None:
             req = parse_head(raw)
             ex = self._admit(req) if req is not None else None
         if ex is None:
@@ -444,25 +480,62 @@ class FrontProtocol(asyncio.Protocol):
         if ctl is None:
             return None
         h = req.headers
+        query_token = _query_token(req.raw_path.partition("?")[2])
+        secure = self.scheme == "https" or lane.public_https
         try:
-            routed = route(found.hostname, found.sandbox_id, found.port, ctl.rec, lane.access,
-                           HostRequest(
-                               method=req.method, raw_path=req.raw_path,
-                               token_header=h.get(TOKEN_HEADER),
-                               cookie_headers=tuple(h.getall("Cookie", ())),
-                               origins=tuple(h.getall("Origin", ())),
-                               query_token=_query_token(req.raw_path.partition("?")[2]),
-                               websocket=False,
-                               secure=self.scheme == "https" or lane.public_https))
+            decision = admit(found.hostname, found.sandbox_id, found.port, ctl.rec,
+                             lane.access, HostRequest(
+                                 method=req.method, raw_path=req.raw_path,
+                                 token_header=h.get(TOKEN_HEADER),
+                                 cookie_headers=tuple(h.getall("Cookie", ())),
+                                 origins=tuple(h.getall("Origin", ())),
+                                 query_token=query_token, websocket=False, secure=secure))
+            routed = destination(decision, ctl.rec.tenant, found.sandbox_id, found.port,
+                                 found.hostname, secure, req.raw_path)
         except (ApiError, ValueError):
             return None
         if not isinstance(routed, Target):
             return None
-        self.memo = Memo(req, routed, ctl, lane.access.get(found.sandbox_id))
-        return self._lease(self.memo)
+        memo = Memo(req, found, decision, secure, ctl, lane.access.get(found.sandbox_id))
+        self.memo = memo if query_token is None else None  # a URL token: decided per URL
+        return self._lease(memo, req, routed)
 
-    def _lease(self, memo: Memo) -> Exchange | None:
-        ex = Exchange(self, memo)
+    def _again(self, memo: Memo, raw: bytes) -> Exchange | None:
+        """The head repeats the memo's but for the request target, perhaps: llhttp checks
+        it whole; the headers, the access decision and their rewrite are the memo's."""
+        line_end = raw.find(b"\r\n")
+        prefix, tail = memo.prefix, memo.tail
+        if raw[line_end:] != memo.block or not raw.startswith(prefix) \
+                or raw[line_end - len(tail):line_end] != tail or line_end > MAX_LINE \
+                or not memo.valid(self.lane):
+            return None
+        line = raw[:line_end]
+        if not line.isascii() or b"\r" in line or b"\n" in line:
+            return None
+        url = line[len(prefix):line_end - len(tail)]
+        cb = _Url()
+        try:
+            httptools.HttpRequestParser(cb).feed_data(raw)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+            return None
+        if cb.url != url or cb.begun != 1 or cb.complete != 1 \
+                or cb.done != (1 if not memo.content_length else 0):
+            return None
+        raw_path = url.decode("latin-1")
+        if not raw_path.startswith("/") or "#" in raw_path \
+                or _query_token(raw_path.partition("?")[2]) is not None:
+            return None
+        found = memo.found
+        routed = destination(memo.decision, memo.ctl.rec.tenant, found.sandbox_id, found.port,
+                             found.hostname, memo.secure, raw_path)
+        if not isinstance(routed, Target):
+            return None
+        req = Request(raw, memo.method, raw_path, memo.version, memo.headers, memo.host,
+                      memo.content_length, memo.keep_alive)
+        return self._lease(memo, req, routed)
+
+    def _lease(self, memo: Memo, req: Request, target: Target) -> Exchange | None:
+        ex = Exchange(self, memo, req, target)
         lease = memo.ctl.try_request(ex.aborted)
         if lease is None:
             return None
@@ -507,26 +580,37 @@ class FrontProtocol(asyncio.Protocol):
 # -- one exchange ---------------------------------------------------------------------------
 
 class Memo:
-    """A connection's last request head, parsed, routed and rewritten for the app, and the
-    last response head's rewrite: keep-alive clients repeat heads byte for byte (polling,
-    load), and an identical head with identical routing inputs (the same running
-    controller, registry row and access row) is the same request, so it skips all that.
-    A response head is reused only for a Content-Length body and while its Date holds."""
+    """A connection's last request headers, parsed, admitted and rewritten for the app, and
+    the last response head's rewrite. Keep-alive clients repeat their headers byte for byte
+    (browsers, polling, load) and often the method and version: such a head differs at most
+    in its target, which ``preview.admit`` does not read (a URL carrying a token is never
+    memoized), so while the routing inputs are the same objects (the running controller,
+    its registry row, the access row) the decision holds and only ``preview.destination``
+    runs again. A response head is reused only for a Content-Length body, while its Date
+    holds."""
 
-    __slots__ = ("access", "ctl", "raw", "rec", "req", "resp", "target", "up_head")
+    __slots__ = ("access", "block", "content_length", "ctl", "decision", "found", "headers",
+                 "host", "keep_alive", "method", "prefix", "rec", "resp", "secure", "tail",
+                 "up_block", "version")
 
-    def __init__(self, req: Request, target: Target, ctl: Any, access: Any) -> None:
-        self.raw = req.raw
-        self.req = req
-        self.target = target
+    def __init__(self, req: Request, found: PreviewHost, decision: Any, secure: bool,
+                 ctl: Any, access: Any) -> None:
+        line_end = req.raw.find(b"\r\n")
+        self.block = req.raw[line_end:]  # the headers, from the CRLF ending the request line
+        self.method, self.version = req.method, req.version
+        self.prefix = req.method.encode("latin-1") + b" "
+        self.tail = b" HTTP/%d.%d" % req.version
+        self.headers, self.host = req.headers, req.host
+        self.content_length, self.keep_alive = req.content_length, req.keep_alive
+        self.found, self.decision, self.secure = found, decision, secure
         self.ctl = ctl
         self.rec = ctl.rec
         self.access = access
-        self.up_head: bytes | None = None
+        self.up_block: bytes | None = None
         self.resp: RespMemo | None = None
 
     def valid(self, lane: FastLane) -> bool:
-        sid = self.target.sandbox_id
+        sid = self.found.sandbox_id
         return lane.running(sid) is self.ctl and self.ctl.rec is self.rec \
             and lane.access.get(sid) is self.access
 
@@ -543,11 +627,11 @@ class RespMemo:
 class Exchange:
     """One request through the fast lane: admitted, sent upstream, answered."""
 
-    def __init__(self, front: FrontProtocol, memo: Memo) -> None:
+    def __init__(self, front: FrontProtocol, memo: Memo, req: Request, target: Target) -> None:
         self.front = front
         self.memo = memo
-        self.req = req = memo.req
-        self.target = memo.target
+        self.req = req
+        self.target = target
         self.lease: Any = None
         self.up: Upstream | None = None
         self.body_left = req.content_length or 0
@@ -614,11 +698,15 @@ class Exchange:
         self.pump_body()
 
     def _request_head(self) -> bytes:
-        if self.memo.up_head is None:
-            self.memo.up_head = self._rewrite_head()
-        return self.memo.up_head
+        memo = self.memo
+        if memo.up_block is None:
+            memo.up_block = self._rewrite_headers()
+        path_qs = self.target.path_qs
+        if not path_qs.startswith("/"):
+            path_qs = "/" + path_qs
+        return f"{self.req.method} {path_qs} HTTP/1.1".encode("latin-1") + memo.up_block
 
-    def _rewrite_head(self) -> bytes:
+    def _rewrite_headers(self) -> bytes:
         req, target = self.req, self.target
         out = upstream_headers(
             req.headers, client_ip=self.front.client_ip, scheme=self.front.scheme,
@@ -632,8 +720,7 @@ class Exchange:
         # aiohttp's client puts Host first (ClientRequest.update_headers).
         headers: CIMultiDict[str] = CIMultiDict(Host=out.pop("Host"))
         headers.extend(out)
-        path_qs = target.path_qs if target.path_qs.startswith("/") else "/" + target.path_qs
-        return serialize(f"{req.method} {path_qs} HTTP/1.1", headers)
+        return serialize("", headers)  # from the CRLF ending the request line
 
     def send_body(self, data: bytes) -> None:
         assert self.up is not None
@@ -906,6 +993,16 @@ class Upstream(asyncio.Protocol):
         self._fail(UpstreamTimeout(f"the app on port {ex.target.port} did not answer in time"))
 
     def data_received(self, data: bytes) -> None:
+        try:
+            self._received(data)
+        except Exception:  # a bug of ours: never leave either connection hanging
+            log.exception("fast lane: unexpected error; closing both connections")
+            ex = self.ex
+            self.close()
+            if ex is not None:
+                ex.front.close()
+
+    def _received(self, data: bytes) -> None:
         ex = self.ex
         if ex is None:  # bytes on an idle connection: it cannot be trusted for the next
             self.close()

@@ -680,3 +680,25 @@ def test_sandbox_service_running_is_running_and_idle_only():
     assert SandboxService.running(service, SID) is None
     ctl.core.op, ctl.state = None, State.SUSPENDED
     assert SandboxService.running(service, SID) is None
+
+
+async def test_same_headers_other_targets_reuse_the_decision_and_check_each_line(env):
+    reader, writer = await connect(env.fast)
+    for n in range(3):  # only the target changes: admit() is not run again, destination() is
+        writer.write(req(env, "GET", f"/plain?n={n}"))
+        _, resp = await read_response(reader)
+        assert resp.status == 200 and f"GET /plain?n={n} HTTP/1.1".encode() in resp.body
+    writer.write(req(env, "GET", f"/plain?token={env.token}", auth=True))  # our token: per URL
+    _, resp = await read_response(reader)
+    assert resp.status == 200 and b"GET /plain HTTP/1.1" in resp.body  # stripped
+    writer.write(req(env, "GET", "/plain?n=4"))
+    _, resp = await read_response(reader)
+    assert resp.status == 200 and b"?n=4" in resp.body
+    assert env.fast.lane.served == 5 and env.fast.lane.handed_off == 0
+    writer.write(req(env, "GET", "/a b"))  # a request line llhttp refuses: aiohttp's 400
+    _, resp = await read_response(reader)
+    assert resp.status == 400 and env.fast.lane.handed_off == 1
+    writer.close()
+    assert b"/a b" not in env.up.all_bytes()
+    await settle(env)
+    assert env.ctl.active == 0
