@@ -205,8 +205,9 @@ class SandboxController:
         """``request()`` for a caller that cannot wait (``gateway.fastlane``): admitted now,
         through the core, with a free pacing slot, or None (nothing changed). The lease's
         ``release()`` is the request's end (RequestLeft); a VM that dies calls ``on_abort``."""
+        pace = self._pace
         if self.core.state is not State.RUNNING or self.core.op is not None \
-                or self._pace.locked():
+                or pace._value <= 0 or pace._waiters:  # locked(), or anyone queued for a slot
             return None
         self._run(self.core.handle(c.RequestEntered()))
         verdict = self._run(self.core.handle(c.AdmissionAsked(
@@ -216,7 +217,7 @@ class SandboxController:
             return None
         # The pacing slot, taken without waiting: what Semaphore.acquire() does when it
         # is not locked (checked above, nothing awaited since).
-        self._pace._value -= 1
+        pace._value -= 1
         lease = Lease(self, on_abort)
         self._leases.add(lease)
         return lease
