@@ -497,12 +497,17 @@ class FrontProtocol(asyncio.Protocol):
         if not isinstance(routed, Target):
             return None
         memo = Memo(req, found, decision, secure, ctl, lane.access.get(found.sandbox_id))
+        memo.last_raw, memo.last_req, memo.last_target = req.raw, req, routed
         self.memo = memo if query_token is None else None  # a URL token: decided per URL
         return self._lease(memo, req, routed)
 
     def _again(self, memo: Memo, raw: bytes) -> Exchange | None:
         """The head repeats the memo's but for the request target, perhaps: llhttp checks
         it whole; the headers, the access decision and their rewrite are the memo's."""
+        if raw == memo.last_raw:  # byte for byte the previous head: its target too
+            if not memo.valid(self.lane):
+                return None
+            return self._lease(memo, memo.last_req, memo.last_target)
         line_end = raw.find(b"\r\n")
         prefix, tail = memo.prefix, memo.tail
         if raw[line_end:] != memo.block or not raw.startswith(prefix) \
@@ -532,6 +537,7 @@ class FrontProtocol(asyncio.Protocol):
             return None
         req = Request(raw, memo.method, raw_path, memo.version, memo.headers, memo.host,
                       memo.content_length, memo.keep_alive)
+        memo.last_raw, memo.last_req, memo.last_target = raw, req, routed
         return self._lease(memo, req, routed)
 
     def _lease(self, memo: Memo, req: Request, target: Target) -> Exchange | None:
@@ -590,8 +596,8 @@ class Memo:
     holds."""
 
     __slots__ = ("access", "block", "content_length", "ctl", "decision", "found", "headers",
-                 "host", "keep_alive", "method", "prefix", "rec", "resp", "secure", "tail",
-                 "up_block", "version")
+                 "host", "keep_alive", "last_raw", "last_req", "last_target", "method",
+                 "prefix", "rec", "resp", "secure", "tail", "up_block", "version")
 
     def __init__(self, req: Request, found: PreviewHost, decision: Any, secure: bool,
                  ctl: Any, access: Any) -> None:
@@ -608,6 +614,9 @@ class Memo:
         self.access = access
         self.up_block: bytes | None = None
         self.resp: RespMemo | None = None
+        self.last_raw = b""  # the last head served, its request and target (set by the caller)
+        self.last_req: Request | None = None
+        self.last_target: Target | None = None
 
     def valid(self, lane: FastLane) -> bool:
         sid = self.found.sandbox_id
