@@ -109,6 +109,9 @@ class FastLane:
         self.pool = RawPool(self.loop, server.proxy_connect_timeout, self.running)
         self.clients: set[FrontProtocol] = set()
         self.served = self.handed_off = 0  # counters (tests, debugging)
+        # /metrics: agentbox_events_total{event="fast_lane_served"|"fast_lane_handed_off"}
+        metrics = getattr(self.service, "metrics", None)
+        self.events = metrics.events if metrics is not None else None
         # One timer for every deadline (no timer per request): late by at most a tick.
         self.tick = min(1.0, self.head_timeout / 4, self.read_timeout / 4)
         self.ticker = self.loop.call_later(self.tick, self._sweep)
@@ -554,6 +557,8 @@ class FrontProtocol(asyncio.Protocol):
             return
         self.lane.clients.discard(self)
         self.lane.handed_off += 1
+        if self.lane.events is not None:
+            self.lane.events["fast_lane_handed_off"] += 1
         transport, data = self.transport, bytes(self.buf)
         self.buf.clear()
         self.closed = True  # for us
@@ -573,6 +578,8 @@ class FrontProtocol(asyncio.Protocol):
             return
         self.exchange = None
         self.lane.served += 1
+        if self.lane.events is not None:
+            self.lane.events["fast_lane_served"] += 1
         if not keep_alive:
             self.close()
             return
