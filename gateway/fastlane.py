@@ -10,13 +10,14 @@ It serves a request when all of these hold: the Host is a preview host, the
 framing is plain (origin-form target, HTTP/1.0 or 1.1, no Upgrade, Expect or
 Transfer-Encoding, at most one Content-Length, ASCII only, CRLF only, no
 obs-fold, within aiohttp's line and header limits), it is not an SSE request,
-``preview.route`` answers with a ``Target`` (the same rules as the aiohttp
-path: one function), the sandbox's controller is RUNNING and admits it at once
-(``SandboxController.try_request``: RequestEntered/AdmissionAsked/Admit and a
-free pacing slot; RequestLeft when the exchange ends) and an upstream
-connection is pooled or connects. Anything else (API hosts, errors, wakes,
-holds, redirects, WebSockets, chunked uploads, malformed or ambiguous framing,
-a refused connect: aiohttp does the expose-port retry) goes to aiohttp at the
+``preview.admit`` and ``preview.destination`` (the two steps of ``preview.route``,
+the aiohttp path's: one set of rules) answer with a ``Target``, the sandbox's
+controller is RUNNING and admits it at once (``SandboxController.try_request``:
+RequestEntered/AdmissionAsked/Admit and a free pacing slot; RequestLeft when the
+exchange ends) and an upstream connection is pooled or connects. Anything else
+(API hosts, errors, wakes, holds, redirects, WebSockets, chunked uploads,
+malformed or ambiguous framing, a refused connect: aiohttp does the expose-port
+retry) goes to aiohttp at the
 request boundary, before any byte of that request went upstream: the buffered
 bytes are replayed into ``runner.server()``'s protocol, which owns the
 connection from then on.
@@ -30,6 +31,17 @@ bodies for upstream failures before the response starts (504
 ``upstream_timeout``, 502 ``bad_gateway``). Once the response has started, a
 broken upstream closes the client connection, so a truncated body is never
 taken for a complete one.
+
+Per connection, the last request's headers are memoized with their admission
+decision and rewrite (``Memo``): a head that repeats them (keep-alive clients do)
+skips the parse and ``preview.admit`` while the routing inputs are unchanged;
+llhttp still checks every head that is not byte for byte the previous one, and
+admission, pacing and activity are never memoized. Counts: ``/metrics``
+``agentbox_events_total{event="fast_lane_served"|"fast_lane_handed_off"}``.
+
+Not done here (aiohttp's path keeps them): the expose-port retry of a refused
+connect, wakes and holds, WebSockets and SSE, and any request after a hand-off
+(a connection never comes back from aiohttp).
 
 Bounded: request heads by aiohttp's limits (anything bigger is handed off and
 refused there), the time to send a head by ``header_read_timeout`` (armed when
