@@ -702,3 +702,46 @@ async def test_same_headers_other_targets_reuse_the_decision_and_check_each_line
     assert b"/a b" not in env.up.all_bytes()
     await settle(env)
     assert env.ctl.active == 0
+
+
+async def read_until_eof(reader: asyncio.StreamReader, timeout: float) -> tuple[bytes, bool]:
+    data = b""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            while chunk := await reader.read(65536):
+                data += chunk
+            return data, True
+    return data, False
+
+
+async def test_http_1_0_keep_alive_without_a_length_is_close_delimited(env):
+    """aiohttp sends such a body close-delimited but leaves the connection open (the client
+    cannot tell where it ends); the fast lane sends the same bytes and closes."""
+    request = req(env, "GET", "/chunked", "Connection: keep-alive\r\n").replace(
+        b" HTTP/1.1\r\n", b" HTTP/1.0\r\n", 1)
+    got = {}
+    for name, server in (("fast", env.fast), ("slow", env.slow)):
+        reader, writer = await connect(server)
+        writer.write(request)
+        got[name] = await read_until_eof(reader, 1.5)
+        writer.close()
+    (fast_raw, fast_closed), (slow_raw, _) = got["fast"], got["slow"]
+    assert normal(fast_raw, 0, 0) == normal(slow_raw, 0, 0) and b"0end" in fast_raw
+    assert fast_closed and b"Transfer-Encoding" not in fast_raw
+    await settle(env)
+    assert env.ctl.active == 0
+
+
+@pytest.mark.parametrize(("path", "headers"), [
+    ("/plain", ""), ("/plain", "Connection: keep-alive\r\n"), ("/close", ""),
+    ("/chunked", "")])
+async def test_http_1_0_parity(env, path, headers):
+    request = req(env, "GET", path, headers).replace(b" HTTP/1.1\r\n", b" HTTP/1.0\r\n", 1)
+    fast_raw, fast = await exchange(env.fast, request)
+    slow_raw, slow = await exchange(env.slow, request)
+    assert fast.status == slow.status == 200
+    assert same(fast_raw, fast, slow_raw, slow)
+    assert fast_raw.startswith(b"HTTP/1.0 200 OK\r\n")
+    assert env.fast.lane.served == 1 and env.fast.lane.handed_off == 0
+    await settle(env)
+    assert env.ctl.active == 0
