@@ -72,6 +72,9 @@ class Recorder(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self.req.on_url(url)
+        if url.startswith(b"/stall"):  # an app that does not read its request body (yet)
+            self.transport.pause_reading()
+            self.up.stalled = self
 
     def on_body(self, body: bytes) -> None:
         self.req.on_body(body)
@@ -149,6 +152,7 @@ class Upstream:
         self.received: list[bytearray] = []
         self.open: set[Recorder] = set()
         self.connections = self.requests = 0
+        self.stalled: Recorder | None = None
 
     def all_bytes(self) -> bytes:
         return b"".join(self.received)
@@ -743,5 +747,26 @@ async def test_http_1_0_parity(env, path, headers):
     assert same(fast_raw, fast, slow_raw, slow)
     assert fast_raw.startswith(b"HTTP/1.0 200 OK\r\n")
     assert env.fast.lane.served == 1 and env.fast.lane.handed_off == 0
+    await settle(env)
+    assert env.ctl.active == 0
+
+
+async def test_a_request_body_the_app_does_not_read_pauses_the_client(env):
+    reader, writer = await connect(env.fast)
+    writer.write(req(env, "PUT", "/stall", body=BIG))
+    for _ in range(200):
+        front = next(iter(env.fast.lane.clients), None)
+        if front is not None and front.paused and front.exchange.up is not None:
+            break  # connected, and reading the client stopped: the app's socket is full
+        await asyncio.sleep(0.01)
+    assert front is not None and front.paused and front.exchange.up is not None
+    await asyncio.sleep(0.2)
+    up = front.exchange.up
+    assert up is not None and up.transport.get_write_buffer_size() < (1 << 20)
+    assert len(front.buf) < (1 << 20)  # the gateway holds no more than a few buffers
+    env.up.stalled.transport.resume_reading()
+    _, resp = await read_response(reader)
+    assert resp.status == 200 and hashlib.sha256(BIG).hexdigest().encode() in resp.body
+    writer.close()
     await settle(env)
     assert env.ctl.active == 0
