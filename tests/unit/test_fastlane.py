@@ -614,7 +614,8 @@ async def test_large_bodies_stream_both_ways_with_flow_control(env):
     writer.write(req(env, "GET", "/big"))
     await asyncio.sleep(0.3)  # the client reads nothing: the gateway must not buffer 8 MiB
     front = next(iter(env.fast.lane.clients))
-    assert front.writing_paused
+    assert front.writing_paused and front.exchange.up.reading_paused
+    assert front.transport.get_write_buffer_size() < (1 << 20)  # not the 8 MiB
     raw, resp = await read_response(reader)
     assert resp.body == BIG
     writer.close()
