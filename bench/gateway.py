@@ -19,6 +19,7 @@ ratios gateway/nginx req/s, and the p50 each gateway adds over direct.
 
 usage: .venv/bin/python bench/gateway.py [--rounds 5] [--duration 5] [--connections 1,64]
        [--profile FILE]   (cProfile the gateway process during one extra 64-connection run)
+       [--vary]           (every request head differs: /small?n=COUNTER, via wrk -s)
 """
 
 from __future__ import annotations
