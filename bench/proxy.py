@@ -122,8 +122,11 @@ def start_nginx(addr: str, workdir: Path,
     return proc, port
 
 
-def wrk(url: str, connections: int, duration: int, headers: dict[str, str]) -> dict[str, float]:
+def wrk(url: str, connections: int, duration: int, headers: dict[str, str],
+        script: str | None = None) -> dict[str, float]:
     args = ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "--timeout", "10s"]
+    if script:
+        args += ["-s", script]
     for k, v in headers.items():
         args += ["-H", f"{k}: {v}"]
     out = subprocess.run([*args, url], capture_output=True, text=True, check=True).stdout

@@ -189,12 +189,24 @@ async def _serve(app: web.Application, config: Config,
 
 
 def serve(config: Config) -> None:
-    import uvloop
-
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    web.run_app(build_app(config), host=config.server.host, port=config.server.port,
-                loop=uvloop.new_event_loop(), print=None, **server_options(config))
+    run(build_app(config), config)
+
+
+def run(app: web.Application, config: Config) -> None:
+    """Serve ``app`` on ``[server] listen`` until a signal (bench/gateway.py runs this too)."""
+    import uvloop
+
+    if not config.server.fast_lane:
+        web.run_app(app, host=config.server.host, port=config.server.port,
+                    loop=uvloop.new_event_loop(), print=None, **server_options(config))
+        return
+    # run_app with the front lane's site (gateway.fastlane) in place of its TCPSite.
+    from gateway import fastlane
+
+    fastlane.run_app(app, fastlane.bind(config.server.host, config.server.port),
+                     uvloop.new_event_loop(), **server_options(config))
 
 
 def server_options(config: Config) -> dict[str, Any]:

@@ -48,6 +48,8 @@ class ServerConfig:
     # client has to send its request headers (also how long an idle keep-alive connection lives).
     max_ws_message_bytes: int = 16 << 20
     header_read_timeout: float = 15.0
+    # Simple preview requests skip aiohttp (gateway.fastlane); off: every request takes it.
+    fast_lane: bool = True
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")

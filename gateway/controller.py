@@ -42,8 +42,8 @@ log = logging.getLogger(__name__)
 WakePolicy = Policy  # the name the rest of the gateway knows the limits by
 DRAIN_POLL_S = 0.005
 
-__all__ = ["HoldCounter", "RestoreFailed", "SandboxController", "VMLost", "Wake", "WakePolicy",
-           "WakeTimeout"]
+__all__ = ["HoldCounter", "Lease", "RestoreFailed", "SandboxController", "VMLost", "Wake",
+           "WakePolicy", "WakeTimeout"]
 
 
 class MachineLike(Protocol):
@@ -76,6 +76,29 @@ class Wake:
     wake_ms: float = 0.0
 
 
+class Lease:
+    """One request admitted by ``SandboxController.try_request`` (no task to cancel)."""
+
+    __slots__ = ("_ctl", "_on_abort", "machine")
+
+    def __init__(self, ctl: SandboxController, on_abort: Callable[[ApiError], None]) -> None:
+        self._ctl: SandboxController | None = ctl
+        self._on_abort = on_abort
+        self.machine = ctl.machine
+
+    def release(self) -> None:
+        """The request is over (answered, failed or abandoned); idempotent."""
+        ctl, self._ctl = self._ctl, None
+        if ctl is not None:
+            ctl._lease_done(self)
+
+    def abort(self, error: ApiError) -> None:
+        """The VM is gone: the holder stops using it (and releases)."""
+        if self._ctl is not None:
+            self._on_abort(error)
+            self.release()
+
+
 class SandboxController:
     def __init__(self, rec: SandboxRecord, machine: MachineLike, registry: Registry,
                  policy: Policy, holds: HoldCounter,
@@ -94,6 +117,7 @@ class SandboxController:
         self._pace_waiting = 0  # admitted requests queued for a pacing slot (bounded)
         self._admitted: set[asyncio.Task] = set()
         self._aborted: dict[asyncio.Task, ApiError] = {}
+        self._leases: set[Lease] = set()  # requests admitted by try_request()
         self._watch: ExitWatch | None = None
         self._last_activity: float | None = None  # wall clock of the last request's end
         self.streams = 0  # open WebSockets / streamed responses (for metrics and tests)
@@ -176,6 +200,32 @@ class SandboxController:
                 yield wake
             finally:
                 self.streams -= 1
+
+    def try_request(self, on_abort: Callable[[ApiError], None]) -> Lease | None:
+        """``request()`` for a caller that cannot wait (``gateway.fastlane``): admitted now,
+        through the core, with a free pacing slot, or None (nothing changed). The lease's
+        ``release()`` is the request's end (RequestLeft); a VM that dies calls ``on_abort``."""
+        pace = self._pace
+        if self.core.state is not State.RUNNING or self.core.op is not None \
+                or pace._value <= 0 or pace._waiters:  # locked(), or anyone queued for a slot
+            return None
+        self._run(self.core.handle(c.RequestEntered()))
+        verdict = self._run(self.core.handle(c.AdmissionAsked(
+            waited_s=0.0, held_globally=self.holds.held)))[-1]
+        if not isinstance(verdict, c.Admit):  # cannot happen while RUNNING; never hold
+            self._run(self.core.handle(c.RequestLeft(admitted=False, now=time.monotonic())))
+            return None
+        # The pacing slot, taken without waiting: what Semaphore.acquire() does when it
+        # is not locked (checked above, nothing awaited since).
+        pace._value -= 1
+        lease = Lease(self, on_abort)
+        self._leases.add(lease)
+        return lease
+
+    def _lease_done(self, lease: Lease) -> None:
+        self._leases.discard(lease)
+        self._pace.release()
+        self._run(self.core.handle(c.RequestLeft(admitted=True, now=time.monotonic())))
 
     def idle_for(self) -> float:
         return self.core.idle_for(time.monotonic())
@@ -442,6 +492,8 @@ class SandboxController:
         return rest
 
     def _abort_requests(self, error: ApiError) -> None:
+        for lease in list(self._leases):
+            lease.abort(error)
         for task in list(self._admitted):
             if task not in self._aborted:
                 self._aborted[task] = error

@@ -49,6 +49,7 @@ from gateway.preview_auth import (
     Allow,
     Credentials,
     Deny,
+    Redirect,
     cookie_name,
     decide,
     preview_view,
@@ -57,6 +58,7 @@ from gateway.preview_auth import (
 )
 from gateway.proxy import PROXY_KEY, Proxy, Target, UpstreamPool, deferred_expect, is_websocket
 from gateway.proxy_headers import strip_query_param
+from gateway.registry import SandboxRecord
 from vmctl.errors import VmctlError
 
 _PORT = r"(6553[0-5]|655[0-2]\d|65[0-4]\d\d|6[0-4]\d{3}|[1-5]\d{4}|[1-9]\d{0,3})"
@@ -154,47 +156,107 @@ async def _serve_host(request: web.Request, found: PreviewHost | SessionHost) ->
         sandbox_id, port = found.sandbox_id, found.port
     require_previewable(port)
     rec = cfg[REGISTRY_KEY].get(sandbox_id)
-    if rec is None or rec.state is State.DESTROYED:
-        raise SandboxNotFound(sandbox_id)
     # Secure (and the __Host- name) when the URLs we hand out are https: behind a TLS proxy
     # the daemon itself only ever sees http.
     secure = request.scheme == "https" or cfg[info.SERVER_KEY].public_scheme == "https"
-    cookie = cookie_name(found.hostname, secure)
-    creds = Credentials(header=request.headers.get(TOKEN_HEADER),
-                        cookies=browser_rules.read_cookies(request.headers.getall("Cookie", []),
-                                                           cookie),
-                        query=request.query.get(TOKEN_PARAM))
-    websocket = is_websocket(request)
-    redirectable = request.method in ("GET", "HEAD") and not websocket
-    decision = decide(cfg[ACCESS_KEY].get(sandbox_id), port, found.hostname, creds,
-                      redirectable=redirectable, secure=secure)
+    routed = route(found.hostname, sandbox_id, port, rec, cfg[ACCESS_KEY], HostRequest(
+        method=request.method, raw_path=request.raw_path,
+        token_header=request.headers.get(TOKEN_HEADER),
+        cookie_headers=tuple(request.headers.getall("Cookie", [])),
+        origins=tuple(request.headers.getall("Origin", [])),
+        query_token=request.query.get(TOKEN_PARAM), websocket=is_websocket(request),
+        secure=secure))
+    if isinstance(routed, RedirectTo):
+        return web.Response(status=302, headers={
+            "Location": routed.location, "Set-Cookie": routed.set_cookie,
+            "Cache-Control": "no-store"})
+    return await cfg[PROXY_KEY].handle(request, routed)
+
+
+@dataclass(frozen=True)
+class HostRequest:
+    """What routing reads from a request for a preview or session host (the aiohttp path
+    and ``gateway.fastlane`` both fill it in)."""
+
+    method: str
+    raw_path: str  # path and query, still encoded
+    token_header: str | None
+    cookie_headers: tuple[str, ...]
+    origins: tuple[str, ...]
+    query_token: str | None  # the decoded ?token= value, if any
+    websocket: bool
+    secure: bool
+
+
+@dataclass(frozen=True)
+class RedirectTo:
+    location: str
+    set_cookie: str
+
+
+def route(hostname: str, sandbox_id: str, port: int, rec: SandboxRecord | None,
+          access: AccessStore, req: HostRequest) -> Target | RedirectTo:
+    """The one place the rules live: where a request for a preview/session host goes
+    (a ``Target``), or the redirect that sets the cookie; raises the ``ApiError`` to answer
+    instead. No I/O but the access store's cached rows. Two steps: ``admit`` (everything
+    but the path) and ``destination`` (the path, given that decision)."""
+    decision = admit(hostname, sandbox_id, port, rec, access, req)
+    assert rec is not None
+    return destination(decision, rec.tenant, sandbox_id, port, hostname, req.secure,
+                       req.raw_path)
+
+
+def admit(hostname: str, sandbox_id: str, port: int, rec: SandboxRecord | None,
+          access: AccessStore, req: HostRequest) -> Allow | Redirect:
+    """May the request through (``Allow``), or must it be redirected to set the cookie?
+    Reads all of ``req`` but ``raw_path``; raises the ``ApiError`` to answer instead."""
+    require_previewable(port)
+    if rec is None or rec.state is State.DESTROYED:
+        raise SandboxNotFound(sandbox_id)
+    cookie = cookie_name(hostname, req.secure)
+    creds = Credentials(header=req.token_header,
+                        cookies=browser_rules.read_cookies(req.cookie_headers, cookie),
+                        query=req.query_token)
+    redirectable = req.method in ("GET", "HEAD") and not req.websocket
+    decision = decide(access.get(sandbox_id), port, hostname, creds,
+                      redirectable=redirectable, secure=req.secure)
     if isinstance(decision, Deny):
         raise Unauthorized(decision.message, code=decision.code)
     if (isinstance(decision, Allow) and decision.ambient
-            and browser_rules.needs_same_origin(request.method, websocket)
-            and not browser_rules.origin_allowed(request.headers.getall("Origin", []),
-                                                 found.hostname)):
-        raise Forbidden(f"cross-origin {'WebSocket' if websocket else request.method} refused: "
-                        f"the preview cookie only authorises pages on {found.hostname}",
+            and browser_rules.needs_same_origin(req.method, req.websocket)
+            and not browser_rules.origin_allowed(list(req.origins), hostname)):
+        raise Forbidden(f"cross-origin {'WebSocket' if req.websocket else req.method} refused: "
+                        f"the preview cookie only authorises pages on {hostname}",
                         code="cross_origin_refused")
-    path, _, query = request.raw_path.partition("?")
+    return decision
+
+
+def destination(decision: Allow | Redirect, tenant: str, sandbox_id: str, port: int,
+                hostname: str, secure: bool, raw_path: str) -> Target | RedirectTo:
+    """Where an admitted request goes: our token dropped from the URL when it was ours."""
+    path, _, query = raw_path.partition("?")
     if not isinstance(decision, Allow) or decision.strip_query_token:
         query = strip_query_param(query, TOKEN_PARAM)
     path_qs = f"{path}?{query}" if query else path
     if not isinstance(decision, Allow):  # Redirect: set the cookie, drop the token from the URL
-        return web.Response(status=302, headers={
-            "Location": browser_rules.safe_location(path_qs), "Set-Cookie": decision.set_cookie,
-            "Cache-Control": "no-store"})
-    target = Target(rec.tenant, sandbox_id, port, path_qs,
-                    drop_headers=frozenset({TOKEN_HEADER.lower()}), drop_cookie=cookie,
-                    set_cookie=decision.set_cookie)
-    return await cfg[PROXY_KEY].handle(request, target)
+        return RedirectTo(browser_rules.safe_location(path_qs), decision.set_cookie)
+    return Target(tenant, sandbox_id, port, path_qs, drop_headers=_DROP,
+                  drop_cookie=cookie_name(hostname, secure), set_cookie=decision.set_cookie)
+
+
+_DROP = frozenset({TOKEN_HEADER.lower()})
 
 
 def error_page(request: web.Request, status: int, code: str, message: str,
                headers: dict[str, str] | None = None) -> web.Response:
     """JSON (``{"error": {...}}``) for programs, a small page for browsers."""
-    if "text/html" not in request.headers.get("Accept", "") or is_websocket(request):
+    return error_page_for(request.headers.get("Accept", ""), is_websocket(request), status,
+                          code, message, headers)
+
+
+def error_page_for(accept: str, websocket: bool, status: int, code: str, message: str,
+                   headers: dict[str, str] | None = None) -> web.Response:
+    if "text/html" not in accept or websocket:
         return error_response(status, code, message, headers)
     body = (f"<!doctype html><html><head><meta charset=utf-8><title>{status} {code}</title>"
             "<style>body{font:16px system-ui,sans-serif;margin:3em auto;max-width:40em}"

@@ -33,6 +33,7 @@ the guest app.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import secrets
@@ -97,6 +98,7 @@ def cookie_value(token: str, hostname: str) -> str:
     return hmac.new(token.encode(), hostname.lower().encode(), hashlib.sha256).hexdigest()
 
 
+@functools.lru_cache(maxsize=4096)  # pure; asked on every preview request
 def cookie_name(hostname: str, secure: bool) -> str:
     """The cookie ``hostname`` reads. ``__Host-`` (secure only: browsers require it) forbids
     ``Domain=``, so no sibling host can set it at all."""

@@ -27,6 +27,7 @@ from gateway.middleware import (
 from gateway.preview_auth import ACCESS_KEY, cookie_name
 from gateway.registry import Registry, SandboxRecord
 from guest.protocol import AGENT_PORT
+from tests.unit.fastlane_server import FastTestServer
 from tests.unit.test_proxy import SEEN, SID, FakeService, upstream_app
 
 OTHER = "fedcba9876543210"  # another tenant's sandbox
@@ -50,7 +51,7 @@ async def make_env(tmp_path, aiohttp_server, aiohttp_client, **server):
     app[REGISTRY_KEY] = registry
     app.add_routes(terminal.routes)
     preview.setup(app, config)
-    client = await aiohttp_client(app, auto_decompress=False)
+    client = await aiohttp_client(FastTestServer(app), auto_decompress=False)  # the front lane
     host = f"{up.port}-{SID}.localhost"
     return SimpleNamespace(
         client=client, up=up, host=host, token=client.app[ACCESS_KEY].get(SID).token,

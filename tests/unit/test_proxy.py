@@ -27,6 +27,7 @@ from gateway.middleware import (
 )
 from gateway.preview_auth import ACCESS_KEY
 from gateway.registry import Registry, SandboxRecord
+from tests.unit.fastlane_server import FastTestServer
 
 SID = "0123456789abcdef"
 # gateway.middleware stores the API key under a str request key (aiohttp warns; reported).
@@ -38,7 +39,7 @@ class FakeService:
     def __init__(self, registry: Registry, config: Config) -> None:
         self.registry, self.config = registry, config
         self.wake_gate: asyncio.Event | None = None  # set: the "sandbox" is awake
-        self.uses = self.streams = self.active = 0
+        self.uses = self.streams = self.active = self.fast = 0
         self.machine = SimpleNamespace(plan=SimpleNamespace(slot=SimpleNamespace(
             guest_addr="127.0.0.1")), driver=SimpleNamespace(pid=1, started_at=1.0),
             require_agent=lambda: None)
@@ -61,6 +62,13 @@ class FakeService:
         finally:
             self.active -= 1
 
+    def running(self, sandbox_id):
+        """The fast lane's entry (SandboxService.running): awake sandboxes only."""
+        rec = self.registry.get(sandbox_id)
+        if self.wake_gate is not None or rec is None or rec.state is not State.RUNNING:
+            return None
+        return SimpleNamespace(rec=rec, try_request=lambda on_abort: FakeLease(self))
+
     @contextlib.asynccontextmanager
     async def use_stream(self, tenant, sandbox_id):
         async with self.use(tenant, sandbox_id) as m:
@@ -69,6 +77,22 @@ class FakeService:
                 yield m
             finally:
                 self.streams -= 1
+
+
+class FakeLease:
+    """A request the fast lane admitted (SandboxController.try_request), counted as use()."""
+
+    def __init__(self, service: FakeService) -> None:
+        self.service: FakeService | None = service
+        self.machine = service.machine
+        service.uses += 1
+        service.active += 1
+        service.fast += 1
+
+    def release(self) -> None:
+        if self.service is not None:
+            self.service.active -= 1
+            self.service = None
 
 
 SEEN: dict[str, object] = {}
@@ -164,7 +188,8 @@ async def env(tmp_path, aiohttp_server, aiohttp_client):
     app[SERVICE_KEY] = service  # type: ignore[assignment]
     app[REGISTRY_KEY] = registry
     preview.setup(app, config)
-    client = await aiohttp_client(app, auto_decompress=False)
+    # Served as the daemon serves: through the front lane (gateway.fastlane).
+    client = await aiohttp_client(FastTestServer(app), auto_decompress=False)
     token = client.app[ACCESS_KEY].get(SID).token
     host = f"{up.port}-{SID}.localhost"
     yield SimpleNamespace(client=client, up=up, host=host, token=token, service=service,
@@ -187,6 +212,7 @@ async def test_get_forwards_path_query_and_headers(env):
     assert h["Via"] == "1.1 agentbox" and h["Cookie"] == "app=1"
     assert "X-AgentBox-Token" not in h and h["User-Agent"].startswith("Python/")
     assert r.headers["Via"].endswith("1.1 agentbox")
+    assert env.service.fast == 1  # served by the front lane (gateway.fastlane)
 
 
 async def test_private_without_token_is_401_json_or_html(env):

@@ -18,7 +18,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 SDK = REPO / "sdk" / "python"
 SERVER_PACKAGES = ("gateway", "vmctl", "guest", "images")
-SERVER_ONLY_DISTS = {"uvloop", "pyroute2", "aiohttp", "orjson", "cachetools", "agentbox-server"}
+SERVER_ONLY_DISTS = {"uvloop", "pyroute2", "aiohttp", "orjson", "cachetools", "httptools",
+                     "agentbox-server"}
 
 
 def _imports(root: Path) -> set[str]:
