@@ -98,6 +98,7 @@ MAX_RESPONSE_HEAD = 256 << 10  # in all
 MAX_RESPONSE_FIELD = 65536  # per line: aiohttp's client (proxy.UpstreamPool) refuses longer
 POOL_MAX_IDLE = 64  # idle upstream connections per (sandbox, VMM, port)
 POOL_IDLE_S = 15.0
+DRAIN_POLL_S = 0.05
 GET_METHODS = ClientRequest.GET_METHODS
 
 _PAUSE_PIPE, _PAUSE_UP = 1, 2
@@ -121,6 +122,7 @@ class FastLane:
         self.pool = RawPool(self.loop, server.proxy_connect_timeout, self.running)
         self.clients: set[FrontProtocol] = set()
         self.served = self.handed_off = 0  # counters (tests, debugging)
+        self.draining = False  # shutting down: finish what is in flight, start nothing new
         # /metrics: agentbox_events_total{event="fast_lane_served"|"fast_lane_handed_off"}
         metrics = getattr(self.service, "metrics", None)
         self.events = metrics.events if metrics is not None else None
@@ -141,6 +143,22 @@ class FastLane:
 
     def __call__(self) -> FrontProtocol:
         return FrontProtocol(self)
+
+    async def drain(self, timeout: float) -> None:
+        """Shutting down (the listener is closed): idle connections close now, busy ones
+        after their response, as aiohttp's own shutdown does; waits up to ``timeout``."""
+        self.draining = True
+        deadline = self.loop.time() + timeout
+        while True:
+            busy = False
+            for client in list(self.clients):
+                if client.exchange is None:
+                    client.close()
+                else:
+                    busy = True
+            if not busy or self.loop.time() >= deadline:
+                return
+            await asyncio.sleep(DRAIN_POLL_S)
 
     def close(self) -> None:
         self.ticker.cancel()
@@ -178,6 +196,7 @@ class FastSite(SockSite):
             server = self._server
             if server is not None:
                 server.close()
+            await self.lane.drain(self._runner._shutdown_timeout)
             self.lane.close()
         await super().stop()
 
@@ -592,7 +611,7 @@ class FrontProtocol(asyncio.Protocol):
         self.lane.served += 1
         if self.lane.events is not None:
             self.lane.events["fast_lane_served"] += 1
-        if not keep_alive:
+        if not keep_alive or self.lane.draining:
             self.close()
             return
         if self.paused:

@@ -125,6 +125,9 @@ class Recorder(asyncio.Protocol):
             t.write(BIG)
         elif path == "/hang":
             pass
+        elif path == "/later":  # answers after 0.3 s
+            asyncio.get_running_loop().call_later(0.3, t.write, b"HTTP/1.1 200 OK\r\n"
+                                                  b"Content-Length: 5\r\n\r\nlater")
         elif path == "/drop":
             t.close()
         elif path == "/bighead":
@@ -582,6 +585,30 @@ async def test_client_leaving_releases_and_closes_upstream(env):
         await asyncio.sleep(0.01)
     assert not env.up.open  # the upstream connection was closed, not pooled
     assert not env.fast.lane.pool.idle
+
+
+async def test_shutdown_finishes_what_is_in_flight_and_closes_idle_connections(env):
+    idle_r, idle_w = await connect(env.fast)
+    idle_w.write(req(env, "GET", "/plain"))
+    assert (await read_response(idle_r))[1].complete  # now an idle keep-alive connection
+    busy_r, busy_w = await connect(env.fast)
+    busy_w.write(req(env, "GET", "/later"))
+    for _ in range(100):
+        if env.up.requests == 2:
+            break
+        await asyncio.sleep(0.01)
+    stop = asyncio.ensure_future(env.fast.site.stop())
+    async with asyncio.timeout(1):
+        assert await idle_r.read() == b""  # closed at once
+    raw, resp = await read_response(busy_r)
+    assert resp.status == 200 and resp.complete and resp.body == b"later"  # not cut off
+    async with asyncio.timeout(1):
+        assert await busy_r.read() == b""  # and then closed: nothing new starts
+    await stop
+    idle_w.close()
+    busy_w.close()
+    await settle(env)
+    assert env.ctl.active == 0
 
 
 async def test_vm_lost_aborts_the_exchange(env):
