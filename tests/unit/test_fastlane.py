@@ -323,6 +323,14 @@ def req(env, method: str = "GET", path: str = "/", headers: str = "", body: byte
     return head.encode() + b"\r\n" + body
 
 
+async def until(condition, tries: int = 100) -> None:  # type: ignore[no-untyped-def]
+    """Wait (up to a second) for ``condition()``; the assertion after it says what failed."""
+    for _ in range(tries):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+
+
 async def settle(env) -> None:  # type: ignore[no-untyped-def]
     for _ in range(100):
         if env.ctl.active == 0 and env.ctl.entering == 0:
@@ -571,18 +579,12 @@ async def test_upstream_closing_mid_body_closes_the_client(env):
 async def test_client_leaving_releases_and_closes_upstream(env):
     reader, writer = await connect(env.fast)
     writer.write(req(env, "GET", "/hang"))
-    for _ in range(100):
-        if env.up.requests:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: env.up.requests)
     assert env.ctl.active == 1
     writer.close()
     await settle(env)
     assert env.ctl.active == 0
-    for _ in range(100):
-        if not env.up.open:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: not env.up.open)
     assert not env.up.open  # the upstream connection was closed, not pooled
     assert not env.fast.lane.pool.idle
 
@@ -593,10 +595,7 @@ async def test_shutdown_finishes_what_is_in_flight_and_closes_idle_connections(e
     assert (await read_response(idle_r))[1].complete  # now an idle keep-alive connection
     busy_r, busy_w = await connect(env.fast)
     busy_w.write(req(env, "GET", "/later"))
-    for _ in range(100):
-        if env.up.requests == 2:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: env.up.requests == 2)
     stop = asyncio.ensure_future(env.fast.site.stop())
     async with asyncio.timeout(1):
         assert await idle_r.read() == b""  # closed at once
@@ -614,10 +613,7 @@ async def test_shutdown_finishes_what_is_in_flight_and_closes_idle_connections(e
 async def test_vm_lost_aborts_the_exchange(env):
     reader, writer = await connect(env.fast)
     writer.write(req(env, "GET", "/hang"))
-    for _ in range(100):
-        if env.up.requests:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: env.up.requests)
     env.ctl._abort_requests(VMLost("gone", headers={"Retry-After": "1"}))
     raw, resp = await read_response(reader)
     assert resp.status == 503 and b"sandbox_crashed" in resp.body
