@@ -57,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -281,26 +282,7 @@ class _Head:
         self.done += 1
 
 
-class _Url:
-    """httptools callbacks that only check a head's framing and read its target."""
-
-    __slots__ = ("begun", "complete", "done", "url")
-
-    def __init__(self) -> None:
-        self.url = b""
-        self.begun = self.complete = self.done = 0
-
-    def on_message_begin(self) -> None:
-        self.begun += 1
-
-    def on_url(self, url: bytes) -> None:
-        self.url += url
-
-    def on_headers_complete(self) -> None:
-        self.complete += 1
-
-    def on_message_complete(self) -> None:
-        self.done += 1
+_ORIGIN_FORM = re.compile(rb"/[!-\"$-~]*")  # "/" then printable ASCII but "#"
 
 
 class Request:
@@ -548,21 +530,15 @@ class FrontProtocol(asyncio.Protocol):
                 or raw[line_end - len(tail):line_end] != tail or line_end > MAX_LINE \
                 or not memo.valid(self.lane):
             return None
-        line = raw[:line_end]
-        if not line.isascii() or b"\r" in line or b"\n" in line:
+        # The headers are byte for byte ones llhttp accepted, and the request line is the
+        # memo's method and version around a target: only the target is new. It must be an
+        # origin-form target of printable ASCII without a fragment, a subset of what llhttp
+        # takes (anything else is parsed whole on the first path).
+        url = raw[len(prefix):line_end - len(tail)]
+        if _ORIGIN_FORM.fullmatch(url) is None:
             return None
-        url = line[len(prefix):line_end - len(tail)]
-        cb = _Url()
-        try:
-            httptools.HttpRequestParser(cb).feed_data(raw)
-        except (httptools.HttpParserError, httptools.HttpParserUpgrade):
-            return None
-        if cb.url != url or cb.begun != 1 or cb.complete != 1 \
-                or cb.done != (1 if not memo.content_length else 0):
-            return None
-        raw_path = url.decode("latin-1")
-        if not raw_path.startswith("/") or "#" in raw_path \
-                or _query_token(raw_path.partition("?")[2]) is not None:
+        raw_path = url.decode("ascii")
+        if _query_token(raw_path.partition("?")[2]) is not None:
             return None
         found = memo.found
         routed = destination(memo.decision, memo.ctl.rec.tenant, found.sandbox_id, found.port,

@@ -732,6 +732,19 @@ async def test_same_headers_other_targets_reuse_the_decision_and_check_each_line
     assert env.ctl.active == 0
 
 
+@pytest.mark.parametrize("target", [b"/p#frag", b"/p\x01", b"/p\xff", b"http://x/p", b"*",
+                                    b"/p\x7f", b"/a\tb"])
+async def test_after_a_memo_an_unusual_target_takes_the_whole_parse(env, target):
+    reader, writer = await connect(env.fast)
+    writer.write(req(env, "GET", "/plain"))
+    assert (await read_response(reader))[1].status == 200  # the memo is set
+    writer.write(req(env, "GET", "/plain").replace(b"/plain", target, 1))
+    await read_response(reader)
+    assert env.fast.lane.served == 1 and env.fast.lane.handed_off == 1  # not the memo's path
+    writer.close()
+    await settle(env)
+
+
 async def read_until_eof(reader: asyncio.StreamReader, timeout: float) -> tuple[bytes, bool]:
     data = b""
     with contextlib.suppress(TimeoutError):
