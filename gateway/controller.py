@@ -34,6 +34,7 @@ from gateway.errors import ApiError, SandboxNotFound, Unavailable
 from gateway.lifecycle import State
 from gateway.metrics import Metrics
 from gateway.registry import Registry, SandboxRecord
+from gateway.slots import Slots
 from vmctl.machine import RestoreError
 from vmctl.watch import ExitWatch
 
@@ -113,8 +114,7 @@ class SandboxController:
         self.core = c.SandboxCore(rec.state, policy, suspend_count=rec.suspend_count,
                                   restore_count=rec.restore_count, now=time.monotonic())
         self._op: asyncio.Task | None = None
-        self._pace = asyncio.Semaphore(policy.max_concurrent_requests)
-        self._pace_waiting = 0  # admitted requests queued for a pacing slot (bounded)
+        self._pace = Slots(policy.max_concurrent_requests)
         self._admitted: set[asyncio.Task] = set()
         self._aborted: dict[asyncio.Task, ApiError] = {}
         self._leases: set[Lease] = set()  # requests admitted by try_request()
@@ -174,17 +174,15 @@ class SandboxController:
         bounded like the wake hold queue (per sandbox, and in the global count): beyond it,
         503 ``hold_queue_full`` at once rather than an ever longer line of held requests."""
         p = self.core.policy
-        if self._pace.locked() and (self._pace_waiting >= p.max_waiters_per_sandbox
-                                    or self.holds.held >= p.max_waiters_global):
+        if self._pace.full and (self._pace.waiting >= p.max_waiters_per_sandbox
+                                or self.holds.held >= p.max_waiters_global):
             raise self._rejection(Unavailable(
                 "too many requests queued for this sandbox", code="hold_queue_full",
                 headers={"Retry-After": str(p.retry_after_s)}))
-        self._pace_waiting += 1
         self.holds.held += 1
         try:
-            await self._pace.acquire()
+            await self._pace.take()
         finally:
-            self._pace_waiting -= 1
             self.holds.held -= 1
         try:
             yield
@@ -202,22 +200,15 @@ class SandboxController:
                 self.streams -= 1
 
     def try_request(self, on_abort: Callable[[ApiError], None]) -> Lease | None:
-        """``request()`` for a caller that cannot wait (``gateway.fastlane``): admitted now,
-        through the core, with a free pacing slot, or None (nothing changed). The lease's
-        ``release()`` is the request's end (RequestLeft); a VM that dies calls ``on_abort``."""
-        pace = self._pace
-        if self.core.state is not State.RUNNING or self.core.op is not None \
-                or pace._value <= 0 or pace._waiters:  # locked(), or anyone queued for a slot
+        """``request()`` for a caller that cannot wait (``gateway.fastlane``): a free pacing
+        slot and the core's admission now (``AdmitNow``), or None with nothing changed. The
+        lease's ``release()`` is the request's end (RequestLeft); a VM that dies calls
+        ``on_abort``."""
+        if not self._pace.try_take():
             return None
-        self._run(self.core.handle(c.RequestEntered()))
-        verdict = self._run(self.core.handle(c.AdmissionAsked(
-            waited_s=0.0, held_globally=self.holds.held)))[-1]
-        if not isinstance(verdict, c.Admit):  # cannot happen while RUNNING; never hold
-            self._run(self.core.handle(c.RequestLeft(admitted=False, now=time.monotonic())))
+        if not self.core.handle(c.AdmitNow()):  # not serving: the caller takes request()
+            self._pace.release()
             return None
-        # The pacing slot, taken without waiting: what Semaphore.acquire() does when it
-        # is not locked (checked above, nothing awaited since).
-        pace._value -= 1
         lease = Lease(self, on_abort)
         self._leases.add(lease)
         return lease

@@ -121,6 +121,12 @@ class AdmissionAsked:
 
 
 @dataclass(frozen=True)
+class AdmitNow:
+    """A request that cannot wait (the fast lane) asks to use the machine at once: admitted
+    while the sandbox is serving, else nothing changes (the caller takes the waiting path)."""
+
+
+@dataclass(frozen=True)
 class RequestLeft:
     admitted: bool
     now: float
@@ -412,6 +418,11 @@ class SandboxCore:
         return (f"<SandboxCore {self.state.name} op={self.op and self.op.name} "
                 f"active={self.active} entering={self.entering}>")
 
+    @property
+    def serving(self) -> bool:
+        """RUNNING with no operation under way: a request is admitted at once."""
+        return self.state is S.RUNNING and self.op is None
+
     def idle_for(self, now: float) -> float:
         return 0.0 if self.active or self.entering else max(0.0, now - self.idle_since)
 
@@ -429,7 +440,7 @@ class SandboxCore:
 
     def _on_AdmissionAsked(self, ev: AdmissionAsked) -> list[Command]:
         p, st = self.policy, self.state
-        if st is S.RUNNING and self.op is None:
+        if self.serving:
             self.entering -= 1
             self.active += 1
             return [Admit()]
@@ -451,6 +462,12 @@ class SandboxCore:
         elif st is S.SUSPENDING:
             self.cancel_suspend = True
         return [*cmds, Hold(remaining)]
+
+    def _on_AdmitNow(self, ev: AdmitNow) -> list[Command]:
+        if not self.serving:
+            return []
+        self.active += 1
+        return [Admit()]
 
     def _leave_queue(self, cmd: Command) -> list[Command]:
         self.entering -= 1

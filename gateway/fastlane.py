@@ -13,7 +13,7 @@ obs-fold, within aiohttp's line and header limits), it is not an SSE request,
 ``preview.admit`` and ``preview.destination`` (the two steps of ``preview.route``,
 the aiohttp path's: one set of rules) answer with a ``Target``, the sandbox's
 controller is RUNNING and admits it at once (``SandboxController.try_request``:
-RequestEntered/AdmissionAsked/Admit and a free pacing slot; RequestLeft when the
+a free pacing slot, then the core's AdmitNow -> Admit; RequestLeft when the
 exchange ends) and an upstream connection is pooled or connects. Anything else
 (API hosts, errors, wakes, holds, redirects, WebSockets, chunked uploads,
 malformed or ambiguous framing, a refused connect: aiohttp does the expose-port

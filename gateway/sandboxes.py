@@ -251,9 +251,7 @@ class SandboxService:
         """The controller of a sandbox that is RUNNING with no operation under way, if it
         has one (``gateway.fastlane``: no registry read; anything else takes ``use()``)."""
         ctl = self._controllers.get(sandbox_id)
-        if ctl is None or ctl.state is not State.RUNNING or ctl.core.op is not None:
-            return None
-        return ctl
+        return ctl if ctl is not None and ctl.core.serving else None
 
     async def suspend(self, tenant: str, sandbox_id: str) -> SandboxRecord:
         ctl = self.controller(self.get(tenant, sandbox_id))

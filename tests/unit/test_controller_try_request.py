@@ -19,7 +19,7 @@ async def test_admits_a_running_sandbox_through_the_core(registry):  # noqa: F81
     lease.release()
     lease.release()  # idempotent
     assert ctl.active == 0 and ctl._last_activity is not None  # RequestLeft: the touch
-    assert not ctl._pace.locked() and ctl._pace._value == WakePolicy().max_concurrent_requests
+    assert not ctl._pace.full and ctl._pace.free == WakePolicy().max_concurrent_requests
 
 
 async def test_never_holds_or_wakes(registry):  # noqa: F811
@@ -27,6 +27,7 @@ async def test_never_holds_or_wakes(registry):  # noqa: F811
     assert ctl.try_request(lambda error: None) is None
     assert ctl.state is State.SUSPENDED and machine.wakes == 0
     assert ctl.active == 0 and ctl.entering == 0
+    assert ctl._pace.free == WakePolicy().max_concurrent_requests  # the slot it tried: back
 
 
 async def test_no_free_pacing_slot_declines_and_slots_are_shared(registry):  # noqa: F811

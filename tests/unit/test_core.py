@@ -39,6 +39,20 @@ def test_running_admits_and_counts():
     assert k.active == 0 and k.idle_since == 5.0
 
 
+@pytest.mark.parametrize("state", list(S))
+def test_admit_now_admits_only_a_serving_sandbox_and_changes_nothing_else(state):
+    k = core(state)
+    cmds = k.handle(c.AdmitNow())
+    if state is S.RUNNING:
+        assert kinds(cmds) == [c.Admit] and (k.entering, k.active) == (0, 1)
+        assert kinds(k.handle(c.RequestLeft(admitted=True, now=5.0))) == [c.Touch]
+        assert k.active == 0
+    else:  # never a wake, a hold or a record: the caller takes the waiting path
+        assert cmds == [] and (k.state, k.op, k.entering, k.active) == (state, None, 0, 0)
+    k.op = c.Op.SUSPEND  # an operation under way: not serving even when RUNNING
+    assert k.handle(c.AdmitNow()) == [] and k.active == 0
+
+
 def test_request_to_suspended_records_wake_then_starts_restore_then_holds():
     k = core(S.SUSPENDED)
     k.handle(c.RequestEntered())

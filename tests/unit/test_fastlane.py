@@ -29,6 +29,7 @@ from gateway.middleware import (
 )
 from gateway.preview_auth import ACCESS_KEY
 from gateway.registry import Registry, SandboxRecord
+from gateway.slots import Slots
 from tests.unit.fastlane_server import FastTestServer
 
 SID = "0123456789abcdef"
@@ -474,7 +475,8 @@ async def test_hand_off_matches_aiohttp(env, request_bytes):
 
 
 async def test_no_free_pacing_slot_is_handed_off(env):
-    env.ctl._pace = slots = asyncio.Semaphore(0)  # every slot taken: the fast lane never waits
+    env.ctl._pace = slots = Slots(1)
+    assert slots.try_take()  # every slot taken: the fast lane never waits
     reader, writer = await connect(env.fast)
     writer.write(req(env, "GET", "/plain"))
     await asyncio.sleep(0.2)
@@ -672,7 +674,8 @@ async def test_a_repeated_head_is_not_served_while_the_sandbox_is_busy(env):
     request = req(env, "GET", "/plain?same")
     writer.write(request)
     assert (await read_response(reader))[1].status == 200
-    env.ctl._pace = slots = asyncio.Semaphore(0)
+    env.ctl._pace = slots = Slots(1)
+    assert slots.try_take()
     writer.write(request)
     await asyncio.sleep(0.1)
     assert env.fast.lane.handed_off == 1 and env.up.requests == 1
@@ -698,15 +701,16 @@ async def test_idle_connections_of_a_sandbox_that_stopped_running_are_closed(env
 
 
 def test_sandbox_service_running_is_running_and_idle_only():
+    from gateway.core import SandboxCore
     from gateway.sandboxes import SandboxService
 
-    ctl = SimpleNamespace(state=State.RUNNING, core=SimpleNamespace(op=None))
+    ctl = SimpleNamespace(core=SandboxCore(State.RUNNING, Policy(), now=0.0))
     service = SimpleNamespace(_controllers={SID: ctl})
     assert SandboxService.running(service, SID) is ctl
     assert SandboxService.running(service, "other") is None  # no controller: use() makes one
     ctl.core.op = object()  # an operation (suspend, pause) under way
     assert SandboxService.running(service, SID) is None
-    ctl.core.op, ctl.state = None, State.SUSPENDED
+    ctl.core.op, ctl.core.state = None, State.SUSPENDED
     assert SandboxService.running(service, SID) is None
 
 
