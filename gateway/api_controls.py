@@ -39,20 +39,19 @@ SNAPSHOT_REMEASURE_S = 30.0  # oldest first (vmctl.console rotates once)
 
 def shape_of(service: SandboxService, recs: dict[str, SandboxRecord]) -> Any:
     """A sandbox's vCPUs, memory and last snapshot size, for ``usage.account``."""
-    mem_by_golden: dict[str, int] = {}
+    by_golden: dict[str, tuple[int, int]] = {}
 
     def shape(sandbox_id: str) -> usage.Shape:
         rec = recs[sandbox_id]
-        mem = getattr(rec, "mem_mib", None)
-        if not mem:
-            if rec.golden not in mem_by_golden:
+        vcpus, mem = rec.vcpus, rec.memory_mib
+        if not (vcpus and mem):  # a row from before per-sandbox shapes: its golden's shape
+            if rec.golden not in by_golden:
                 try:
-                    mem_by_golden[rec.golden] = service.golden_for(rec).mem_mib
+                    g = service.golden_for(rec)
                 except Exception:  # its golden build was removed: the template's current one
                     g = service.goldens.get(rec.template)
-                    mem_by_golden[rec.golden] = g.mem_mib if g else 0
-            mem = mem_by_golden[rec.golden]
-        vcpus = getattr(rec, "vcpus", None) or service.config.vm.vcpus
+                by_golden[rec.golden] = (g.vcpus, g.mem_mib) if g else (1, 0)
+            vcpus, mem = vcpus or by_golden[rec.golden][0], mem or by_golden[rec.golden][1]
         return usage.Shape(int(vcpus), int(mem), rec.snapshot_bytes)
     return shape
 

@@ -85,7 +85,10 @@ class FirecrackerConfig:
 class VMConfig:
     vmm: str = "auto"
     accel: str = "auto"  # QEMU only; "auto" = KVM if the boot probe works
-    vcpus: int = 1
+    # The default shape's vCPUs (a create may ask for another: gateway.resources). Two, as
+    # E2B's default: the guest agent's work around a call (the zygote's next fork, a child's
+    # exit) then runs beside the call instead of in front of the next (bench/README.md).
+    vcpus: int = 2
     ready_timeout: float = 60.0  # cold boot to agent-ready (TCG is slow)
     restore_timeout: float = 30.0  # restore to agent-ready
     firecracker_kernel: Path = DEFAULT_FIRECRACKER_KERNEL  # built by `make kernel-firecracker`

@@ -212,7 +212,8 @@ async def test_golden_boots_the_firecracker_kernel_on_a_raw_copy(host: Host) -> 
     backend = await _backend(host)
     golden = await ensure_golden(host.image, backend, progress=lambda _: None)
 
-    assert golden.dir == host.image.dir / f"golden-firecracker-kvm-64M-r{golden_mod.GOLDEN_RECIPE}"
+    name = f"golden-firecracker-kvm-2c-64M-r{golden_mod.GOLDEN_RECIPE}"  # [vm] vcpus = 2
+    assert golden.dir == host.image.dir / name
     assert sorted(p.name for p in golden.dir.iterdir()) == [
         "disk", "manifest.json", "memory", "vmstate"]
     assert (golden.kernel, golden.initrd) == (host.kernel, None)  # resolved, no initrd
@@ -239,7 +240,7 @@ async def test_golden_boots_the_firecracker_kernel_on_a_raw_copy(host: Host) -> 
     assert [op for op, _ in host.net] == ["create", "destroy"]
     assert not pid_alive(vmm["pid"]) and _our_processes(host.root) == []
     assert sorted(p.name for p in host.image.dir.iterdir()) == [  # no build temp dir left
-        f"golden-firecracker-kvm-64M-r{golden_mod.GOLDEN_RECIPE}", "initrd.img",
+        f"golden-firecracker-kvm-2c-64M-r{golden_mod.GOLDEN_RECIPE}", "initrd.img",
         "rootfs.ext4", "vmlinuz"]
 
     # Sandboxes of an older build find the same boot files from the directory alone.

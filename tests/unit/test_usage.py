@@ -85,3 +85,23 @@ def test_the_registry_records_daemon_runs(tmp_path):
     (beat, restart), = reg.downtimes()
     assert beat <= restart
     reg.close()
+
+
+def test_a_sandbox_is_billed_for_its_own_shape_and_an_old_row_for_its_goldens():
+    from types import SimpleNamespace
+
+    from gateway.api_controls import shape_of
+
+    goldens = {"/g/old": SimpleNamespace(vcpus=1, mem_mib=512)}
+    service = SimpleNamespace(golden_for=lambda rec: goldens[rec.golden],
+                              goldens=SimpleNamespace(get=lambda template: None))
+    recs = {"new": SimpleNamespace(vcpus=2, memory_mib=1024, golden="/g/new", template="python",
+                                   snapshot_bytes=7),
+            "old": SimpleNamespace(vcpus=0, memory_mib=0, golden="/g/old", template="python",
+                                   snapshot_bytes=0),  # before per-sandbox shapes
+            "gone": SimpleNamespace(vcpus=0, memory_mib=0, golden="/g/removed",
+                                    template="python", snapshot_bytes=0)}
+    shape = shape_of(service, recs)  # type: ignore[arg-type]
+    assert shape("new") == usage.Shape(2, 1024, 7)
+    assert shape("old") == usage.Shape(1, 512, 0)  # not today's default vCPU count
+    assert shape("gone") == usage.Shape(1, 0, 0)
