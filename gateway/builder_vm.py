@@ -36,10 +36,14 @@ BUILDER_SLOTS = 4
 
 @dataclass(frozen=True)
 class BootFiles:
+    """What a builder VM boots, and its shape: that of the FROM template's golden snapshot,
+    so the template it makes restores with the same vCPU count and RAM size."""
+
     kernel: Path
     initrd: Path | None
     cmdline: str
     mem_mib: int
+    vcpus: int
 
 
 @dataclass
@@ -98,7 +102,7 @@ async def builder_vm(backend: Backend, boot: BootFiles, parent_disk: Path, workd
         spec = VMSpec(vm_id=vm_id, workdir=workdir / "vm", kernel=boot.kernel,
                       initrd=boot.initrd, cmdline=boot.cmdline, disk=disk,
                       mem_file=backend.layout.memory(workdir), mem_mib=boot.mem_mib,
-                      vcpus=backend.config.vcpus, netns=slot.netns, accel=backend.accel,
+                      vcpus=boot.vcpus, netns=slot.netns, accel=backend.accel,
                       confinement=confinement)
         (workdir / "vm").mkdir(exist_ok=True)
         await driver.boot(spec)

@@ -238,7 +238,7 @@ class BuildService:
     async def _steps(self, build: Build, context: Path) -> None:
         recipe = build.recipe
         base = self.resolve(build.tenant, recipe.base)
-        boot = BootFiles(base.kernel, base.initrd, base.cmdline, base.mem_mib)
+        boot = BootFiles(base.kernel, base.initrd, base.cmdline, base.mem_mib, base.vcpus)
         key = df.base_key(f"{build.tenant}\0{base.dir}")
         disk = base.snapshot.disk
         total = len(recipe.steps) + 1
@@ -260,7 +260,7 @@ class BuildService:
                 build.emit("step_done", n=n, seconds=builder_vm.elapsed(started))
             disk = layer
         build.step = total
-        fkey = df.final_key(key, recipe, boot.mem_mib)
+        fkey = df.final_key(key, recipe, boot.mem_mib, boot.vcpus)
         golden = self.cache / f"golden-{fkey}"
         cached = (golden / store.MANIFEST).is_file()
         if cached:
@@ -467,7 +467,7 @@ def _seal(snap: Any, build: Build, boot: BootFiles, tmp: Path, final: Path) -> N
             os.chmod(path, 0o444 if path == snap.disk else 0o400)
     meta = {"template": build.name, "kernel": str(boot.kernel), "cmdline": boot.cmdline,
             "initrd": str(boot.initrd) if boot.initrd else None, "mem_mib": boot.mem_mib,
-            "dockerfile": build.recipe.config_dict()}
+            "vcpus": boot.vcpus, "dockerfile": build.recipe.config_dict()}
     store.write_manifest(tmp, snap, meta)
     shutil.rmtree(tmp / "vm", ignore_errors=True)
     for leftover in ("disk.qcow2.tmp",):

@@ -397,8 +397,10 @@ def step_key(parent: str, step: Step, files_digest: str = "") -> str:
               files_digest)
 
 
-def final_key(parent: str, recipe: Recipe, mem_mib: int) -> str:
-    return _h("final", parent, recipe.config_dict(), mem_mib)
+def final_key(parent: str, recipe: Recipe, mem_mib: int, vcpus: int = 1) -> str:
+    """The finished template's key: a restore needs the vCPU count and RAM it was saved
+    with, so both are in it (a 1-vCPU key is that of before the vCPU count was)."""
+    return _h("final", parent, recipe.config_dict(), mem_mib, *([vcpus] if vcpus != 1 else []))
 
 
 def context_files(context: Path, sources: tuple[str, ...]) -> list[tuple[str, Path]]:

@@ -178,3 +178,31 @@ def test_error_codes_are_registered_and_priority_argv_is_niced():
     argv = builtin_builds.priority_argv(["x"])
     assert argv[:3] == ["nice", "-n", "19"] and argv[-1] == "x"
     assert builtin_builds.stage_of("  3.0s  [node] base (debootstrap) ...") == "base (debootstrap)"
+
+
+@pytest.mark.parametrize("vcpus", [1, 2])
+def test_a_built_template_restores_with_the_shape_it_was_saved_with(tmp_path, vcpus):
+    """A Dockerfile build's golden snapshot records its builder VM's vCPU count (its FROM
+    template's), and loading it reads that count back, whatever the directory is named;
+    the finished step's cache key differs per vCPU count, and a 1-vCPU key is the old one."""
+    from gateway.builds import _seal
+    from gateway.builder_vm import BootFiles
+    from vmctl.golden import load_golden_dir
+    from vmctl.spec import Accel, SnapshotFiles
+
+    tmp, final = tmp_path / ".golden-x", tmp_path / "golden-0123abcd"
+    tmp.mkdir()
+    for name in ("vmstate", "memory", "disk.qcow2"):
+        (tmp / name).write_bytes(name.encode())
+    snap = SnapshotFiles(state=tmp / "vmstate", memory=tmp / "memory",
+                         disk=tmp / "disk.qcow2", accel=Accel.TCG, driver="qemu")
+    boot = BootFiles(tmp_path / "vmlinuz", None, "console=ttyS0", 512, vcpus)
+    build = Build(id="bld_1", tenant="t", name="web", recipe=df.parse("FROM python\n"))
+    _seal(snap, build, boot, tmp, final)
+    golden = load_golden_dir(final)
+    assert (golden.vcpus, golden.mem_mib) == (vcpus, 512)
+
+    recipe = df.parse("FROM python\n")
+    assert df.final_key("k", recipe, 512, 2) != df.final_key("k", recipe, 512, 1)
+    assert df.final_key("k", recipe, 512, 1) == df.final_key("k", recipe, 512) == \
+        df._h("final", "k", recipe.config_dict(), 512)
