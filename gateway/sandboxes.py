@@ -332,14 +332,23 @@ class SandboxService:
         """At ``max_awake``, snapshot the tenant's longest-paused sandbox (bounded: one per
         paused sandbox it has), so one more may wake or be created."""
         limits = self.limits(tenant)
-        for _ in range(len(self._controllers)):
+        for _ in range(2 * len(self._controllers)):
             if not limits.max_awake or self._usage(tenant).awake < limits.max_awake:
                 return
             victim = pause.room_victim(self._paused(), tenant)
-            if victim is None:
+            if victim is not None:
+                await self._suspend_paused(self._controllers[victim], "room for another "
+                                           "awake sandbox of its tenant (max_awake)")
+                continue
+            # A pause is recorded when it begins: one still stopping its VM is a victim
+            # once it has (its operation is bounded by the machine's own timeouts).
+            pausing = next((ctl for ctl in self._controllers.values()
+                            if ctl.rec.tenant == tenant and ctl.state is State.PAUSED
+                            and ctl.core.op is not None), None)
+            if pausing is None:
                 return
-            await self._suspend_paused(self._controllers[victim], "room for another "
-                                       "awake sandbox of its tenant (max_awake)")
+            with contextlib.suppress(Exception):
+                await pausing.wait_op()
 
     async def _suspend_paused(self, ctl: SandboxController, cause: str) -> None:
         if ctl.state is not State.PAUSED or ctl.core.op is not None:

@@ -86,3 +86,44 @@ async def test_suspend_of_a_paused_sandbox(registry):
     await asyncio.shield(ctl.start_suspend("paused for 60s"))
     assert ctl.state is State.SUSPENDED and m.suspends == 1
     ctl.close()
+
+
+class SlowPausingMachine(PausingMachine):
+    async def pause(self):
+        self.pauses += 1
+        await asyncio.sleep(0.2)  # a VM whose vCPUs take a while to stop
+        self.paused, self.running = True, False
+
+    async def suspend(self):
+        self.running = True  # the real machine continues a paused VM before its snapshot
+        await super().suspend()
+
+
+@pytest.mark.parametrize("mid_pause", [False, True])
+async def test_make_room_snapshots_a_paused_sandbox_even_while_its_pause_is_under_way(
+        registry, mid_pause):
+    """At max_awake, make_room snapshots the tenant's paused sandbox. The pause is recorded
+    when it begins, so a create can arrive while the VM is still being stopped: it waits
+    for that pause and then takes the sandbox's room (it used to give up: 409)."""
+    from types import SimpleNamespace
+
+    from gateway import quotas
+    from gateway.metrics import Metrics
+    from gateway.sandboxes import SandboxService
+
+    m = SlowPausingMachine()
+    ctl, _ = make(registry, state=State.RUNNING, machine=m,
+                  policy=WakePolicy(suspend_after_pause=60))
+    pausing = ctl.start_pause("idle")
+    assert registry.get("sb1").state is State.PAUSED and ctl.core.op is not None
+    if not mid_pause:
+        await asyncio.shield(pausing)
+    svc = SimpleNamespace(_controllers={"sb1": ctl}, metrics=Metrics())
+    svc.limits = lambda tenant: quotas.Limits(max_awake=1)
+    svc._usage = lambda tenant: quotas.usage_of(r.state for r in registry.list(tenant))
+    svc._paused = SandboxService._paused.__get__(svc)
+    svc._suspend_paused = SandboxService._suspend_paused.__get__(svc)
+    await asyncio.wait_for(SandboxService.make_room(svc, "t"), 5)
+    assert registry.get("sb1").state is State.SUSPENDED
+    assert m.pauses == 1 and m.suspends == 1
+    ctl.close()
