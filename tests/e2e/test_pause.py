@@ -168,20 +168,24 @@ def test_a_tenant_at_max_awake_gets_room_from_its_paused_sandbox(pausing):
         key = admin.post("/v1/keys", json={"name": "pause-room",
                                            "limits": {"max_awake": 1}}).json()
         with d.client(key["key"]) as c:
-            first = c.post("/v1/sandboxes", json={"idle_timeout": IDLE}).json()["id"]
-            run_code(c, first, "z = 7")
-            wait_state(c, first, "paused", timeout=30)
-            # One awake (paused) of one allowed: the create snapshots the paused one first.
-            r = c.post("/v1/sandboxes", json={"idle_timeout": 0})
-            assert r.status_code == 201, r.text
-            assert c.get(f"/v1/sandboxes/{first}").json()["state"] == "suspended"
-            assert vmm_pids_for(first) == []
-            # And the suspended one cannot wake while the other is awake (the quota holds).
-            blocked = c.post(f"/v1/sandboxes/{first}/run_code", json={"code": "z"})
-            assert blocked.status_code == 409, blocked.text
-            c.delete(f"/v1/sandboxes/{r.json()['id']}")
-            assert value(run_code(c, first, "z")) == "7"
-            c.delete(f"/v1/sandboxes/{first}")
+            try:
+                first = c.post("/v1/sandboxes", json={"idle_timeout": IDLE}).json()["id"]
+                run_code(c, first, "z = 7")
+                wait_state(c, first, "paused", timeout=30)
+                # One awake (paused) of one allowed: the create snapshots the paused one
+                # first, even while its pause is still stopping the VM.
+                r = c.post("/v1/sandboxes", json={"idle_timeout": 0})
+                assert r.status_code == 201, r.text
+                assert c.get(f"/v1/sandboxes/{first}").json()["state"] == "suspended"
+                assert vmm_pids_for(first) == []
+                # And the suspended one cannot wake while the other is awake (the quota holds).
+                blocked = c.post(f"/v1/sandboxes/{first}/run_code", json={"code": "z"})
+                assert blocked.status_code == 409, blocked.text
+                c.delete(f"/v1/sandboxes/{r.json()['id']}")
+                assert value(run_code(c, first, "z")) == "7"
+            finally:  # the module's teardown lists only the admin's sandboxes
+                for sb in c.get("/v1/sandboxes").json()["sandboxes"]:
+                    c.delete(f"/v1/sandboxes/{sb['id']}")
         admin.delete(f"/v1/keys/{key['id']}")
 
 
