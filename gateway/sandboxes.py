@@ -340,8 +340,9 @@ class SandboxService:
                 await self._suspend_paused(self._controllers[victim], "room for another "
                                            "awake sandbox of its tenant (max_awake)")
                 continue
-            # A pause is recorded when it begins: one still stopping its VM is a victim
-            # once it has (its operation is bounded by the machine's own timeouts).
+            # A pause is recorded when it begins, so a paused sandbox may still have an
+            # operation under way (its VM stopping, or its snapshot): wait for it, then
+            # look again (bounded by the machine's own timeouts).
             pausing = next((ctl for ctl in self._controllers.values()
                             if ctl.rec.tenant == tenant and ctl.state is State.PAUSED
                             and ctl.core.op is not None), None)
