@@ -238,7 +238,7 @@ class SandboxController:
                     raise self._rejection(verdict.error)
                 assert isinstance(verdict, c.Hold)
                 woke = True
-                await self._hold(verdict.timeout)
+                await self._hold(verdict)
         finally:
             if queued:  # cancelled or failed while held
                 self._run(self.core.handle(c.RequestLeft(admitted=False, now=time.monotonic())))
@@ -247,22 +247,23 @@ class SandboxController:
         self.metrics.events[{"hold_queue_full": "hold_rejected"}.get(error.code, error.code)] += 1
         return SandboxNotFound(self.id) if isinstance(error, SandboxNotFound) else error
 
-    async def _hold(self, timeout: float) -> None:
-        """Wait for the current operation (bounded), without being able to cancel it."""
+    async def _hold(self, hold: c.Hold) -> None:
+        """Wait for the current operation (bounded), without being able to cancel it; return
+        when it ends or hands over to another (a failed restore to a cold boot), so the caller
+        asks the core again and gets the deadline of what now serves the request."""
         op = self._op
         if op is None:
             await asyncio.sleep(0.01)
             return
         self.holds.held += 1
-        deadline = time.monotonic() + timeout
         try:
-            while op is not None:  # a failed restore may hand over to a cold boot: wait for it
-                await asyncio.wait_for(asyncio.shield(op), deadline - time.monotonic())
-                op = self._op if self._op is not op else None
+            await asyncio.wait_for(asyncio.shield(op), hold.timeout)
         except TimeoutError as exc:
+            if self._op is not op and self._op is not None:
+                return  # handed over just as the wait ended: the core decides again
             self.metrics.events["wake_timeout"] += 1
             raise WakeTimeout(f"sandbox {self.id} did not wake within "
-                              f"{self.core.policy.wake_deadline:g}s") from exc
+                              f"{hold.deadline:g}s") from exc
         finally:
             self.holds.held -= 1
 

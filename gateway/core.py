@@ -87,7 +87,11 @@ class Step(enum.Enum):
 class Policy:
     max_waiters_per_sandbox: int = 1000
     max_waiters_global: int = 10000
-    wake_deadline: float = 30.0
+    wake_deadline: float = 30.0  # seconds a request waits, in all, for a restore or unpause
+    # Seconds a request waits, in all, when what serves it is a cold boot (a FAILED sandbox,
+    # or a restore that handed over to one): a boot takes far longer than a restore (TCG: ~15 s
+    # at 2 vCPUs), so SandboxService sets it from the backend's ready_timeout.
+    cold_boot_deadline: float = 90.0
     max_concurrent_requests: int = 64
     retry_after_s: int = 2
     drain_timeout: float = 30.0  # a suspend waits this long for in-flight work, then gives up
@@ -100,7 +104,7 @@ class Policy:
     def __post_init__(self) -> None:
         if min(self.max_waiters_per_sandbox, self.max_waiters_global,
                self.max_concurrent_requests, self.max_restore_attempts) < 1 \
-                or self.wake_deadline <= 0 or self.drain_timeout < 0 \
+                or min(self.wake_deadline, self.cold_boot_deadline) <= 0 or self.drain_timeout < 0 \
                 or self.suspend_after_pause < 0:
             raise ValueError("wake limits must be positive")
 
@@ -268,7 +272,11 @@ class Admit:
 
 @dataclass(frozen=True)
 class Hold:
+    """Wait up to `timeout` s for the operation under way; `deadline` is the whole wait allowed
+    (a WakeTimeout names it). The caller asks again when the operation ends or is replaced."""
+
     timeout: float
+    deadline: float
 
 
 @dataclass(frozen=True)
@@ -450,10 +458,12 @@ class SandboxCore:
             return self._leave_queue(Reject(Unavailable(
                 "too many requests waiting for this sandbox to wake", code="hold_queue_full",
                 headers={"Retry-After": str(p.retry_after_s)})))
-        remaining = p.wake_deadline - ev.waited_s
+        cold = self.op is Op.COLD_BOOT or (self.op is None and st is S.FAILED)
+        deadline = p.cold_boot_deadline if cold else p.wake_deadline
+        remaining = deadline - ev.waited_s
         if remaining <= 0:
             return self._leave_queue(Reject(WakeTimeout(
-                f"the sandbox did not wake within {p.wake_deadline:g}s")))
+                f"the sandbox did not wake within {deadline:g}s")))
         cmds: list[Command] = []
         if st in (S.SUSPENDED, S.FAILED) and self.op is None:
             cmds += self._begin_restore("woken by a request")
@@ -461,7 +471,7 @@ class SandboxCore:
             cmds += self._begin_unpause("woken by a request")
         elif st is S.SUSPENDING:
             self.cancel_suspend = True
-        return [*cmds, Hold(remaining)]
+        return [*cmds, Hold(remaining, deadline)]
 
     def _on_AdmitNow(self, ev: AdmitNow) -> list[Command]:
         if not self.serving:

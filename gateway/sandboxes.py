@@ -55,8 +55,11 @@ class SandboxService:
         self.backend = backend
         self.goldens = goldens
         self.builtin_builds: BuiltinBuilds | None = None  # gateway.builtin_builds (set by app)
+        vm = backend.config
         self.policy = policy or WakePolicy(
-            suspend_after_pause=config.sandbox.suspend_after_pause)
+            suspend_after_pause=config.sandbox.suspend_after_pause,
+            # a restore may fail at its limit and hand over to a cold boot: wait for both
+            cold_boot_deadline=vm.restore_timeout + vm.ready_timeout + 10.0)
         self.holds = HoldCounter()
         self.metrics = Metrics()
         self._controllers: dict[str, SandboxController] = {}

@@ -24,8 +24,8 @@ from vmctl.machine import RestoreError
 
 
 class FakeMachine:
-    def __init__(self, wake_s=0.02, suspend_s=0.02):
-        self.wake_s, self.suspend_s = wake_s, suspend_s
+    def __init__(self, wake_s=0.02, suspend_s=0.02, cold_boot_s=0.0):
+        self.wake_s, self.suspend_s, self.cold_boot_s = wake_s, suspend_s, cold_boot_s
         self.wakes = self.suspends = self.cold_boots = self.aborts = 0
         self.fail_next_wake: Exception | None = None
         self.running = True
@@ -42,6 +42,7 @@ class FakeMachine:
 
     async def cold_boot(self):
         self.cold_boots += 1
+        await asyncio.sleep(self.cold_boot_s)
         self.running = True
         return 1.0
 
@@ -249,6 +250,29 @@ async def test_wake_deadline_is_504_and_waiters_are_dropped(registry):
     assert ctl.holds.held == 0 and ctl.entering == 0
     await asyncio.sleep(0.3)  # the restore itself carries on and completes
     assert ctl.state is State.RUNNING
+
+
+async def test_a_request_waits_for_a_cold_boot_by_the_cold_boot_deadline(registry):
+    # The restore fails and hands over to a cold boot that outlasts wake_deadline: the held
+    # requests are bounded by cold_boot_deadline instead (seen in CI: a crashed sandbox's
+    # cold boot under TCG outlasted the 30 s wake deadline and answered 504).
+    policy = WakePolicy(wake_deadline=0.1, cold_boot_deadline=2.0)
+    ctl, m = make(registry, policy=policy, machine=FakeMachine(cold_boot_s=0.3))
+    m.fail_next_wake = RestoreError("corrupt", guest_started=False, snapshot_unusable=True)
+    results = await asyncio.gather(*(one_request(ctl) for _ in range(5)))
+    assert all(w.woke and w.wake_ms >= 300 for w in results)
+    assert m.cold_boots == 1 and ctl.state is State.RUNNING and ctl.holds.held == 0
+
+
+async def test_a_cold_boot_past_its_deadline_is_504_naming_that_deadline(registry):
+    policy = WakePolicy(wake_deadline=0.05, cold_boot_deadline=0.15)
+    ctl, m = make(registry, policy=policy, machine=FakeMachine(cold_boot_s=0.5))
+    m.fail_next_wake = RestoreError("corrupt", guest_started=False, snapshot_unusable=True)
+    started = time.monotonic()
+    with pytest.raises(WakeTimeout, match="within 0.15s"):
+        await one_request(ctl)
+    assert 0.14 <= time.monotonic() - started < 0.4
+    assert ctl.holds.held == 0 and ctl.entering == 0
 
 
 async def test_suspend_drains_inflight_requests(registry):

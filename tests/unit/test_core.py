@@ -81,6 +81,22 @@ def test_hold_limits_and_deadline_reject_and_uncount():
     assert late.error.code == "wake_timeout" and k.entering == 0
 
 
+def test_a_failed_sandbox_holds_by_the_cold_boot_deadline():
+    k = core(S.FAILED, wake_deadline=1.0, cold_boot_deadline=5.0)
+    k.handle(c.RequestEntered())
+    *_, hold = ask(k, waited=2.0)  # past wake_deadline: a cold boot is allowed longer
+    assert hold == c.Hold(3.0, 5.0) and k.op is c.Op.COLD_BOOT
+    (late,) = ask(k, waited=5.5)
+    assert late.error.code == "wake_timeout" and "5s" in str(late.error)
+
+
+def test_a_restore_holds_by_the_wake_deadline():
+    k = core(S.SUSPENDED, wake_deadline=1.0, cold_boot_deadline=5.0)
+    k.handle(c.RequestEntered())
+    *_, hold = ask(k, waited=0.25)
+    assert hold == c.Hold(0.75, 1.0) and k.op is c.Op.RESTORE
+
+
 def test_global_hold_limit():
     k = core(S.SUSPENDED, max_waiters_global=3)
     k.handle(c.RequestEntered())
