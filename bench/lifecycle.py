@@ -42,7 +42,7 @@ async def cold_boots(image, backend, n: int) -> list[float]:
             spec = VMSpec(vm_id=f"cold{i}", workdir=root / "vm", kernel=image.kernel,
                           initrd=image.initrd, cmdline=image.cmdline, disk=root / "disk.qcow2",
                           mem_file=root / "memory", mem_mib=image.mem_mib, netns=slot.netns,
-                          accel=backend.accel)
+                          vcpus=backend.config.vcpus, accel=backend.accel)
             agent = None
             try:
                 t = time.monotonic()
