@@ -55,7 +55,7 @@ class SandboxService:
         self.backend = backend
         self.goldens = goldens
         self.builtin_builds: BuiltinBuilds | None = None  # gateway.builtin_builds (set by app)
-        vm = backend.config
+        vm = config.vm  # what the backend was selected with
         self.policy = policy or WakePolicy(
             suspend_after_pause=config.sandbox.suspend_after_pause,
             # a restore may fail at its limit and hand over to a cold boot: wait for both
