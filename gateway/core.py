@@ -89,9 +89,9 @@ class Policy:
     max_waiters_global: int = 10000
     wake_deadline: float = 30.0  # seconds a request waits, in all, for a restore or unpause
     # Seconds a request waits, in all, when what serves it is a cold boot (a FAILED sandbox,
-    # or a restore that handed over to one): a boot takes far longer than a restore (TCG: ~15 s
-    # at 2 vCPUs), so SandboxService sets it from the backend's ready_timeout.
-    cold_boot_deadline: float = 90.0
+    # or a restore that handed over to one): a boot takes far longer than a restore (TCG:
+    # ~8 s at 2 vCPUs, bench/README.md). SandboxService sets it from `[vm]`'s timeouts.
+    cold_boot_deadline: float = 100.0
     max_concurrent_requests: int = 64
     retry_after_s: int = 2
     drain_timeout: float = 30.0  # a suspend waits this long for in-flight work, then gives up
