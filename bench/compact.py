@@ -31,7 +31,7 @@ from pathlib import Path
 
 from _common import IMAGES_DIR, report
 
-from gateway.sandboxes import tree_bytes
+from gateway.sandbox.service import tree_bytes
 from guest.protocol import ExecRequest
 from images.catalog import load_template
 from vmctl import network, ramspare, store

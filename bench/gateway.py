@@ -3,10 +3,11 @@
 No VM is in the path. Four targets on loopback, one upstream:
 
 * upstream - a minimal asyncio (uvloop) HTTP/1.1 server: ``GET /small`` = 512 bytes, keep-alive
-* gateway  - the daemon's real app (``gateway.app.build_app``: every middleware, the preview
-  router, token check, ``gateway.proxy`` and its connection pool) served by ``gateway.app.run``
-  as ``serve()`` serves it: uvloop, no access log, the front lane (``gateway.fastlane``) on the
-  listening socket. One change: the lifecycle that would load goldens and start VMs is replaced
+* gateway  - the daemon's real app (``gateway.http.app.build_app``: every middleware, the preview
+  router, token check, ``gateway.preview.proxy`` and its connection pool) served by
+  ``gateway.http.app.run`` as ``serve()`` serves it: uvloop, no access log, the front lane
+  (``gateway.preview.fastlane``) on the listening socket. One change: the lifecycle that would
+  load goldens and start VMs is replaced
   by a registry holding one RUNNING sandbox and a sandbox service whose ``running()``/``use()``
   go through a real ``SandboxController`` (admission, pacing, activity) whose machine's guest
   address is the upstream. Requests use ``Host: {port}-{id}.localhost`` + ``X-AgentBox-Token``.
@@ -86,16 +87,16 @@ def gateway_app(data_dir: Path, upstream_port: int, token_file: Path,  # type: i
                 config: Any):
     from aiohttp import web
 
-    from gateway import app as app_mod
-    from gateway import at_rest
-    from gateway.api import SERVICE_KEY
-    from gateway.controller import HoldCounter, SandboxController
-    from gateway.core import Policy
-    from gateway.lifecycle import State
-    from gateway.middleware import REGISTRY_KEY
-    from gateway.preview_auth import ACCESS_KEY
-    from gateway.registry import Registry, SandboxRecord
-    from gateway.sandboxes import current_wake
+    from gateway.http import app as app_mod
+    from gateway.store import at_rest
+    from gateway.http.sandbox_routes import SERVICE_KEY
+    from gateway.sandbox.controller import HoldCounter, SandboxController
+    from gateway.sandbox.core import Policy
+    from gateway.sandbox.states import State
+    from gateway.http.middleware import REGISTRY_KEY
+    from gateway.preview.access import ACCESS_KEY
+    from gateway.store.registry import Registry, SandboxRecord
+    from gateway.sandbox.service import current_wake
 
     app = app_mod.build_app(config)
     assert app.cleanup_ctx[0] is app_mod._lifecycle  # the one piece that needs VMs
@@ -154,7 +155,7 @@ def gateway_app(data_dir: Path, upstream_port: int, token_file: Path,  # type: i
 
 
 def run_gateway(args: argparse.Namespace) -> None:
-    from gateway import app as app_mod
+    from gateway.http import app as app_mod
     from gateway.config import Config, ServerConfig
 
     config = Config(server=ServerConfig(data_dir=Path(args.data_dir),

@@ -35,7 +35,7 @@ import vmctl.drivers.qemu as qemu
 
 from _common import IMAGES_DIR, report
 
-from gateway.sandboxes import tree_bytes
+from gateway.sandbox.service import tree_bytes
 from guest.protocol import ExecRequest, RunCodeRequest
 from images.catalog import load_template
 from vmctl import agent_interp, network, ramspare, store

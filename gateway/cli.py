@@ -68,7 +68,7 @@ def _load_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from gateway.app import serve
+    from gateway.http.app import serve
 
     serve(_load_config(args))
     return 0
@@ -86,9 +86,9 @@ def _limit_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_keys(args: argparse.Namespace) -> int:
-    from gateway import quotas
+    from gateway.tenancy import quotas
     from gateway.errors import ApiError
-    from gateway.registry import Registry
+    from gateway.store.registry import Registry
 
     config = _load_config(args)
     config.server.data_dir.mkdir(parents=True, exist_ok=True)
@@ -113,7 +113,7 @@ def _cmd_keys(args: argparse.Namespace) -> int:
         elif not registry.revoke_key(args.key_id):
             print(f"no such key: {args.key_id}", file=sys.stderr)
             return 1
-    except ApiError as exc:  # a bad limit (gateway.quotas.parse_overrides)
+    except ApiError as exc:  # a bad limit (gateway.tenancy.quotas.parse_overrides)
         print(f"agentbox-server keys: {exc}", file=sys.stderr)
         return 2
     finally:
@@ -147,7 +147,7 @@ def _cmd_images(args: argparse.Namespace) -> int:
 
 
 def _cmd_images_gc(args: argparse.Namespace) -> int:
-    from gateway import image_gc
+    from gateway.templates import image_gc
 
     config = _load_config(args)
     gc = image_gc.plan(config.server.images_dir,

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gateway.quotas import TenancyConfig
-from gateway.resources import ResourcesConfig
+from gateway.tenancy.quotas import TenancyConfig
+from gateway.sandbox.resources import ResourcesConfig
 from vmctl.backend import FirecrackerConfig, VMConfig
 from vmctl.confine import ConfineConfig
 from vmctl.network import NetworkConfig
@@ -36,7 +36,7 @@ class ServerConfig:
     images_dir: Path = Path("/var/lib/agentbox/images")
     max_upload_bytes: int = 1 << 30
     max_json_bytes: int = 4 << 20
-    # Preview and session URLs (gateway/preview.py, docs/preview.md).
+    # Preview and session URLs (gateway/preview/hosts.py, docs/preview.md).
     preview_domain: str = "localhost"  # {port}-{sandbox_id}.{preview_domain}
     session_domain: str = "sessions.localhost"  # {name}.{session_domain}
     public_scheme: str = "http"  # scheme of the URLs we hand out (https behind a TLS proxy)
@@ -48,7 +48,7 @@ class ServerConfig:
     # client has to send its request headers (also how long an idle keep-alive connection lives).
     max_ws_message_bytes: int = 16 << 20
     header_read_timeout: float = 15.0
-    # Simple preview requests skip aiohttp (gateway.fastlane); off: every request takes it.
+    # Simple preview requests skip aiohttp (gateway.preview.fastlane); off: every request takes it.
     fast_lane: bool = True
 
     def __post_init__(self) -> None:
@@ -87,14 +87,14 @@ class SandboxConfig:
     default_template: str = "python"
     idle_timeout: float = 60.0
     max_sandboxes: int = 256
-    # Pause before snapshot (gateway.pause): seconds an idle sandbox stays PAUSED (VMM alive,
+    # Pause before snapshot (sandbox.pause_policy): seconds an idle sandbox stays PAUSED (VMM alive,
     # RAM held) before its snapshot; 0 = snapshot at once. Paused ones are snapshotted
     # earlier when MemAvailable drops below pause_min_available_mib or more than max_paused
     # are paused (0 = no such limit).
     suspend_after_pause: float = 300.0
     max_paused: int = 32
     pause_min_available_mib: int = 2048
-    # Lifetimes (gateway.lifetimes): defaults for sandboxes created without them; 0 = never.
+    # Lifetimes (gateway.sandbox.expiry): defaults for sandboxes created without them; 0 = never.
     ttl: float = 0.0  # destroy this many seconds after create
     auto_delete_after: float = 0.0  # destroy after this many seconds suspended (or failed)
     max_ttl: float = 0.0  # the longest ttl a request may ask for; 0 = no limit
@@ -119,9 +119,9 @@ class SandboxConfig:
 
 @dataclass(frozen=True)
 class PoolConfig:
-    """The warm pool (gateway.pool): sandboxes per template kept restored and paused."""
+    """The warm pool (sandbox.warm_pool): sandboxes per template kept restored and paused."""
 
-    size: int = -1  # -1: sized to the host (gateway.pool.auto_size); 0: no pool
+    size: int = -1  # -1: sized to the host (gateway.sandbox.warm_pool.auto_size); 0: no pool
 
     def __post_init__(self) -> None:
         if self.size < -1 or self.size > 64:
@@ -130,7 +130,7 @@ class PoolConfig:
 
 @dataclass(frozen=True)
 class BuildConfig:
-    """Templates built from a Dockerfile (gateway.builds, docs/templates.md)."""
+    """Templates built from a Dockerfile (gateway.builds.service, docs/templates.md)."""
 
     # The only hosts a builder VM's proxy connects to (HTTP CONNECT to :443, plain HTTP to :80).
     registry_hosts: tuple[str, ...] = ("deb.debian.org", "security.debian.org", "pypi.org",
@@ -142,7 +142,7 @@ class BuildConfig:
     step_timeout: float = 1800.0  # seconds per RUN step
     build_timeout: float = 3600.0  # seconds per build
     background_builtins: bool = True  # build missing served templates after start-up
-    # The layer cache's bound (gateway.build_cache: least recently used first); 0 = none.
+    # The layer cache's bound (gateway.builds.layer_cache: least recently used first); 0 = none.
     cache_max_mib: int = 20480
 
     def __post_init__(self) -> None:
@@ -160,9 +160,9 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     vm: VMConfig = field(default_factory=VMConfig)
-    tenancy: TenancyConfig = field(default_factory=TenancyConfig)  # gateway.quotas
-    pool: PoolConfig = field(default_factory=PoolConfig)  # gateway.pool
-    resources: ResourcesConfig = field(default_factory=ResourcesConfig)  # gateway.resources
+    tenancy: TenancyConfig = field(default_factory=TenancyConfig)  # gateway.tenancy.quotas
+    pool: PoolConfig = field(default_factory=PoolConfig)  # gateway.sandbox.warm_pool
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)  # gateway.sandbox.resources
     build: BuildConfig = field(default_factory=BuildConfig)
 
 

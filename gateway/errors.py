@@ -1,5 +1,5 @@
 """API errors: each class carries its HTTP status and a stable machine-readable
-``code``. ``gateway.middleware`` turns them (and vmctl's errors, which carry the
+``code``. ``gateway.http.middleware`` turns them (and vmctl's errors, which carry the
 same two attributes) into ``{"error": {"code", "message"}}`` responses."""
 
 from __future__ import annotations
@@ -64,13 +64,13 @@ class TemplateNotFound(NotFound):
 
 
 class QuotaExceeded(Conflict):
-    """A key's quota (gateway.quotas): the tenant can delete or suspend, then retry."""
+    """A key's quota (gateway.tenancy.quotas): the tenant can delete or suspend, then retry."""
 
     code = "quota_exceeded"
 
 
 class RateLimited(ApiError):
-    """A token bucket is empty (gateway.ratelimit); carries Retry-After."""
+    """A token bucket is empty (gateway.http.ratelimit); carries Retry-After."""
 
     status = 429
     code = "rate_limited"

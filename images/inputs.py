@@ -27,7 +27,7 @@ BASE_FORMAT = 2
 # reboot=k + panic=1 make a crashed guest exit the VMM instead of hanging;
 # quiet keeps TCG boots fast (the serial console is slow). agentbox.dns: the guest's
 # resolver is its gateway, where the sandbox's namespace hands DNS to the daemon's
-# filtering forwarder (gateway/dns_forwarder.py). init_on_free=1: the kernel zeroes every
+# filtering forwarder (vmctl/dnsfwd.py). init_on_free=1: the kernel zeroes every
 # page it frees, so free memory is zero as in the golden and drops out of a compact
 # snapshot's diff (a third of its size after a few commands: bench/zeroing.py), and a
 # process's data does not outlive it in free pages.

@@ -1,4 +1,4 @@
-"""Checking answers against the OpenAPI document (gateway.openapi), strictly.
+"""Checking answers against the OpenAPI document (gateway.http.openapi), strictly.
 
 The document's object schemas leave ``additionalProperties`` open, as a public contract
 should (clients must tolerate new fields). A *server* test must not: an answer with a field
@@ -16,7 +16,7 @@ from typing import Any
 
 import jsonschema
 
-from gateway import openapi
+from gateway.http import openapi
 
 JSON = "application/json"
 NDJSON = "application/x-ndjson"

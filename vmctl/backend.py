@@ -85,7 +85,7 @@ class FirecrackerConfig:
 class VMConfig:
     vmm: str = "auto"
     accel: str = "auto"  # QEMU only; "auto" = KVM if the boot probe works
-    # The default shape's vCPUs (a create may ask for another: gateway.resources). Two, as
+    # The default shape's vCPUs (a create may ask for another: gateway.sandbox.resources). Two, as
     # E2B's default: the guest agent's work around a call (the zygote's next fork, a child's
     # exit) then runs beside the call instead of in front of the next (bench/README.md).
     vcpus: int = 2

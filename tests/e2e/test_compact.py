@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.sandboxes import tree_bytes
+from gateway.sandbox.service import tree_bytes
 from tests.e2e.conftest import CONFIG, running_daemon, start_daemon, stop_daemon, vmm_pids_for
 
 pytestmark = pytest.mark.e2e

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from gateway.pool import POOL_TENANT
+from gateway.sandbox.warm_pool import POOL_TENANT
 from tests.e2e.conftest import CONFIG, start_daemon, stop_daemon, vmm_pids_for
 
 pytestmark = pytest.mark.e2e

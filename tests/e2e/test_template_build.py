@@ -18,8 +18,8 @@ import httpx
 import orjson
 import pytest
 
-from gateway import image_gc
-from gateway.registry import Registry
+from gateway.templates import image_gc
+from gateway.store.registry import Registry
 from tests.e2e.test_preview import host_for, preview_token, wait_listening
 
 pytestmark = pytest.mark.e2e

@@ -1,4 +1,4 @@
-"""aiohttp's TestServer, serving through the daemon's front lane (``gateway.fastlane``)."""
+"""aiohttp's TestServer, serving through the daemon's front lane (``gateway.preview.fastlane``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from yarl import URL
 
-from gateway.fastlane import FastSite
+from gateway.preview.fastlane import FastSite
 
 
 class FastTestServer(TestServer):

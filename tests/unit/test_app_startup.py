@@ -2,7 +2,7 @@ import json
 import logging
 from types import SimpleNamespace
 
-from gateway.app import _warn_if_stale
+from gateway.http.app import _warn_if_stale
 from images.hashing import files_digest, snapshot_files
 from images.inputs import GUEST_DIR
 from images.manifest import FORMAT

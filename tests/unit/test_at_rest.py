@@ -9,9 +9,9 @@ import stat
 
 import pytest
 
-from gateway import at_rest
-from gateway.app import ensure_admin_key
-from gateway.registry import Registry
+from gateway.store import at_rest
+from gateway.http.app import ensure_admin_key
+from gateway.store.registry import Registry
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from gateway.browser_rules import (
+from gateway.preview.browser_rules import (
     from_guest_page,
     needs_same_origin,
     origin_allowed,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway import build_cache
-from gateway.build_cache import Entry, plan
+from gateway.builds import layer_cache
+from gateway.builds.layer_cache import Entry, plan
 
 QEMU_IMG, QEMU_IO = shutil.which("qemu-img"), shutil.which("qemu-io")
 
@@ -72,9 +72,9 @@ def test_collect_on_real_chains(tmp_path):
         os.utime(path, (1000 + i, 1000 + i))
     (cache / ".work-abc").mkdir()  # a build in progress: never counted or touched
 
-    removed = build_cache.collect(cache, templates, budget=6 * mib)
+    removed = layer_cache.collect(cache, templates, budget=6 * mib)
     assert [p.name for p in removed] == ["old-top.qcow2", "old.qcow2"]
-    removed = build_cache.collect(cache, templates, budget=0)
+    removed = layer_cache.collect(cache, templates, budget=0)
     # The golden's disk is linked by the template: removing it frees nothing, but it goes;
     # the layers under the template's disk stay.
     assert [p.name for p in removed] == ["golden-used"]
@@ -82,7 +82,7 @@ def test_collect_on_real_chains(tmp_path):
     assert (cache / ".work-abc").is_dir()
     # The template deleted: now its layers may go too (top first).
     shutil.rmtree(templates / "t1")
-    assert [p.name for p in build_cache.collect(cache, templates, budget=0)] == [
+    assert [p.name for p in layer_cache.collect(cache, templates, budget=0)] == [
         "l1.qcow2", "base.qcow2"]
 
 
@@ -93,7 +93,7 @@ def test_touch_makes_an_entry_the_last_to_go(tmp_path):
     a, b = qcow2(cache / "a.qcow2", data=1 << 20), qcow2(cache / "b.qcow2", data=1 << 20)
     os.utime(a, (1000, 1000))
     os.utime(b, (2000, 2000))
-    build_cache.touch(a)
-    one = build_cache._freeable(a)  # the data and qcow2's own metadata
-    assert [p.name for p in build_cache.collect(cache, tmp_path / "none", budget=one)] == [
+    layer_cache.touch(a)
+    one = layer_cache._freeable(a)  # the data and qcow2's own metadata
+    assert [p.name for p in layer_cache.collect(cache, tmp_path / "none", budget=one)] == [
         "b.qcow2"]

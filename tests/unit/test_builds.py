@@ -8,8 +8,9 @@ import asyncio
 
 import pytest
 
-from gateway import build_proxy, builder_vm, builtin_builds, wire
-from gateway.builds import Build, BuildState, as_user
+from gateway.builds import registry_proxy, builder_vm, builtin
+from gateway.http import wire
+from gateway.builds.service import Build, BuildState, as_user
 from gateway.errors import ERROR_CODES, Unavailable
 from images import dockerfile as df
 from vmctl import egress
@@ -17,16 +18,16 @@ from vmctl.egress import EgressPolicy, HostFacts
 
 
 def test_parse_target_and_allow_list():
-    assert build_proxy.parse_target("CONNECT pypi.org:443 HTTP/1.1") == (
+    assert registry_proxy.parse_target("CONNECT pypi.org:443 HTTP/1.1") == (
         "CONNECT", "pypi.org", 443, "")
-    assert build_proxy.parse_target("GET http://deb.debian.org/debian/x HTTP/1.1") == (
+    assert registry_proxy.parse_target("GET http://deb.debian.org/debian/x HTTP/1.1") == (
         "GET", "deb.debian.org", 80, "/debian/x")
-    assert build_proxy.parse_target("GET /relative HTTP/1.1") is None
+    assert registry_proxy.parse_target("GET /relative HTTP/1.1") is None
     hosts = ("pypi.org", "deb.debian.org")
-    assert build_proxy.allowed(hosts, "CONNECT", "pypi.org", 443)
-    assert not build_proxy.allowed(hosts, "CONNECT", "pypi.org", 22)
-    assert not build_proxy.allowed(hosts, "CONNECT", "evil.example", 443)
-    assert not build_proxy.allowed(hosts, "GET", "pypi.org", 443)
+    assert registry_proxy.allowed(hosts, "CONNECT", "pypi.org", 443)
+    assert not registry_proxy.allowed(hosts, "CONNECT", "pypi.org", 22)
+    assert not registry_proxy.allowed(hosts, "CONNECT", "evil.example", 443)
+    assert not registry_proxy.allowed(hosts, "GET", "pypi.org", 443)
 
 
 async def _upstream() -> tuple[asyncio.Server, int, list[bytes]]:
@@ -53,8 +54,8 @@ async def _ask(port: int, head: bytes) -> bytes:
 
 async def test_proxy_forwards_allowed_hosts_and_refuses_the_rest(monkeypatch):
     server, up_port, seen = await _upstream()
-    proxy = build_proxy.RegistryProxy(["localhost"])
-    monkeypatch.setattr(build_proxy, "allowed",
+    proxy = registry_proxy.RegistryProxy(["localhost"])
+    monkeypatch.setattr(registry_proxy, "allowed",
                         lambda hosts, method, host, port: host in hosts and port == up_port)
     port = await proxy.start("127.0.0.1")
     try:
@@ -132,8 +133,8 @@ async def test_background_builtins_answer_503_with_retry_after_then_serve(monkey
         progress("golden[node]: booting")
         return "GOLDEN"
 
-    monkeypatch.setattr(builtin_builds.BuiltinBuilds, "_image", fake_image)
-    bb = builtin_builds.BuiltinBuilds(["node", "minimal"], None, None, make_golden,
+    monkeypatch.setattr(builtin.BuiltinBuilds, "_image", fake_image)
+    bb = builtin.BuiltinBuilds(["node", "minimal"], None, None, make_golden,
                                       lambda n, g: ready.__setitem__(n, g))
     bb.start()
     await asyncio.sleep(0.05)
@@ -159,8 +160,8 @@ async def test_a_failed_background_build_is_listed_and_answers_its_own_code(monk
     async def broken(self, name, progress):
         raise RuntimeError("debootstrap exploded")
 
-    monkeypatch.setattr(builtin_builds.BuiltinBuilds, "_image", broken)
-    bb = builtin_builds.BuiltinBuilds(["node"], None, None, None, lambda n, g: None)
+    monkeypatch.setattr(builtin.BuiltinBuilds, "_image", broken)
+    bb = builtin.BuiltinBuilds(["node"], None, None, None, lambda n, g: None)
     bb.start()
     await asyncio.sleep(0.05)
     assert wire.encode(bb.views()) == [
@@ -175,9 +176,9 @@ def test_error_codes_are_registered_and_priority_argv_is_niced():
     for code in ("template_building", "template_build_failed", "bad_dockerfile", "bad_context",
                  "build_not_found", "build_running", "builds_unavailable"):
         assert code in ERROR_CODES
-    argv = builtin_builds.priority_argv(["x"])
+    argv = builtin.priority_argv(["x"])
     assert argv[:3] == ["nice", "-n", "19"] and argv[-1] == "x"
-    assert builtin_builds.stage_of("  3.0s  [node] base (debootstrap) ...") == "base (debootstrap)"
+    assert builtin.stage_of("  3.0s  [node] base (debootstrap) ...") == "base (debootstrap)"
 
 
 @pytest.mark.parametrize("vcpus", [1, 2])
@@ -185,8 +186,8 @@ def test_a_built_template_restores_with_the_shape_it_was_saved_with(tmp_path, vc
     """A Dockerfile build's golden snapshot records its builder VM's vCPU count (its FROM
     template's), and loading it reads that count back, whatever the directory is named;
     the finished step's cache key differs per vCPU count, and a 1-vCPU key is the old one."""
-    from gateway.builds import _seal
-    from gateway.builder_vm import BootFiles
+    from gateway.builds.service import _seal
+    from gateway.builds.builder_vm import BootFiles
     from vmctl.golden import load_golden_dir
     from vmctl.spec import Accel, SnapshotFiles
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from gateway.cli import main
-from gateway.registry import Registry
+from gateway.store.registry import Registry
 
 
 def keys(capsys, data_dir, *argv: str) -> tuple[int, str, str]:

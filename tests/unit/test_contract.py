@@ -20,14 +20,23 @@ import pytest
 from aiohttp import web
 
 from agentbox import models
-from gateway import api, api_controls, api_keys, api_templates, info, openapi, wire, wire_base
+from gateway.http import (
+    sandbox_routes,
+    control_routes,
+    key_routes,
+    template_routes,
+    info,
+    openapi,
+    wire,
+    wire_base,
+)
 from gateway.config import Config, ServerConfig
-from gateway.middleware import (REGISTRY_KEY, api_error_middleware, auth_middleware,
+from gateway.http.middleware import (REGISTRY_KEY, api_error_middleware, auth_middleware,
                                 error_middleware)
-from gateway.preview_auth import ACCESS_KEY, AccessStore
-from gateway.quotas import TenancyConfig
-from gateway.ratelimit import LIMITER_KEY, RateLimiter, key_rate_middleware
-from gateway.registry import Registry
+from gateway.preview.access import ACCESS_KEY, AccessStore
+from gateway.tenancy.quotas import TenancyConfig
+from gateway.http.ratelimit import LIMITER_KEY, RateLimiter, key_rate_middleware
+from gateway.store.registry import Registry
 from tests.contract import check_answer
 from tests.unit.test_tenancy_api import FakeService
 from vmctl.network import NetworkConfig
@@ -47,13 +56,13 @@ async def app_client(tmp_path: Path, aiohttp_client):
     app = web.Application(middlewares=[error_middleware, api_error_middleware,
                                        auth_middleware, key_rate_middleware])
     app[REGISTRY_KEY] = registry
-    app[api.SERVICE_KEY] = service
-    app[api_keys.TENANCY_KEY] = config.tenancy
+    app[sandbox_routes.SERVICE_KEY] = service
+    app[key_routes.TENANCY_KEY] = config.tenancy
     app[LIMITER_KEY] = RateLimiter(config.tenancy)
     app[ACCESS_KEY] = AccessStore(registry)
     app[info.SERVER_KEY] = config.server
-    for routes in (api.routes, api_templates.routes, api_keys.routes, info.routes,
-                   openapi.routes, api_controls.routes):
+    for routes in (sandbox_routes.routes, template_routes.routes, key_routes.routes, info.routes,
+                   openapi.routes, control_routes.routes):
         app.add_routes(routes)
     _, admin = registry.create_key("admin", admin=True)
     client = await aiohttp_client(app)
@@ -136,11 +145,12 @@ class _Colourful(wire.Sandbox):
 
 async def test_an_undocumented_field_in_an_answer_fails(app_client, monkeypatch):
     """What the contract is for: a field added to a response without the spec is caught.
-    A view is its gateway.wire type and the spec is generated from those types
+    A view is its gateway.http.wire type and the spec is generated from those types
     (tests/unit/test_wire.py), so the way to add one without the spec is a type the spec
     does not know."""
-    original = api.sandbox_view
-    monkeypatch.setattr(api, "sandbox_view", lambda rec: _Colourful(**vars(original(rec))))
+    original = sandbox_routes.sandbox_view
+    monkeypatch.setattr(sandbox_routes, "sandbox_view",
+                        lambda rec: _Colourful(**vars(original(rec))))
     with pytest.raises(AssertionError, match="colour"):
         await call(app_client, "POST", "/v1/sandboxes", 201, json={})
 

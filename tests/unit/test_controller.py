@@ -9,17 +9,17 @@ import time
 
 import pytest
 
-from gateway.controller import (
+from gateway.sandbox.controller import (
     HoldCounter,
     RestoreFailed,
     SandboxController,
     WakePolicy,
     WakeTimeout,
 )
-from gateway.core import VMLost
+from gateway.sandbox.core import VMLost
 from gateway.errors import Unavailable
-from gateway.lifecycle import Event, State
-from gateway.registry import Registry, SandboxRecord
+from gateway.sandbox.states import Event, State
+from gateway.store.registry import Registry, SandboxRecord
 from vmctl.machine import RestoreError
 
 
@@ -384,7 +384,7 @@ class ProcessMachine(FakeMachine):
 
 
 async def test_vmm_death_answers_inflight_requests_at_once_and_next_request_cold_boots(registry):
-    from gateway.controller import VMLost
+    from gateway.sandbox.controller import VMLost
 
     m = ProcessMachine()
     ctl, _ = make(registry, machine=m)

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from gateway.controller import WakePolicy
-from gateway.lifecycle import State
-from gateway.registry import Registry
+from gateway.sandbox.controller import WakePolicy
+from gateway.sandbox.states import State
+from gateway.store.registry import Registry
 from tests.unit.test_controller import FakeMachine, make, one_request
 
 
@@ -107,9 +107,9 @@ async def test_make_room_snapshots_a_paused_sandbox_even_while_its_pause_is_unde
     for that pause and then takes the sandbox's room (it used to give up: 409)."""
     from types import SimpleNamespace
 
-    from gateway import quotas
-    from gateway.metrics import Metrics
-    from gateway.sandboxes import SandboxService
+    from gateway.tenancy import quotas
+    from gateway.http.metrics import Metrics
+    from gateway.sandbox.service import SandboxService
 
     m = SlowPausingMachine()
     ctl, _ = make(registry, state=State.RUNNING, machine=m,

@@ -1,12 +1,12 @@
-"""SandboxController.try_request: admission without waiting (gateway.fastlane's entry)."""
+"""SandboxController.try_request: admission without waiting (gateway.preview.fastlane's entry)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from gateway.controller import WakePolicy
-from gateway.core import VMLost
-from gateway.lifecycle import State
+from gateway.sandbox.controller import WakePolicy
+from gateway.sandbox.core import VMLost
+from gateway.sandbox.states import State
 from tests.unit.test_controller import make, one_request, registry  # noqa: F401
 
 

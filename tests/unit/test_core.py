@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway import core as c
-from gateway.lifecycle import Event, State
+from gateway.sandbox import core as c
+from gateway.sandbox.states import Event, State
 
 S, E = State, Event
 
@@ -308,7 +308,7 @@ def test_public_cause_is_bounded():
 
 def test_operations_doc_has_the_recovery_table():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
-    assert c.recovery_table_markdown() in doc, "regenerate: python -m gateway.core"
+    assert c.recovery_table_markdown() in doc, "regenerate: python -m gateway.sandbox.core"
 
 
 def test_causes_from_untrusted_text_are_bounded_before_the_registry():

@@ -1,5 +1,5 @@
 """Pause before snapshot in the sandbox core, event -> command, and its decisions
-(gateway.pause), without I/O."""
+(gateway.sandbox.pause_policy), without I/O."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway import core as c
-from gateway import pause
-from gateway.lifecycle import Event, IllegalTransition, State, next_state
+from gateway.sandbox import core as c
+from gateway.sandbox import pause_policy
+from gateway.sandbox.states import Event, IllegalTransition, State, next_state
 
 S, E = State, Event
 
@@ -170,34 +170,34 @@ def test_policy_rejects_a_negative_pause():
         c.Policy(suspend_after_pause=-1)
 
 
-# -- gateway.pause: which paused sandbox the host snapshots -----------------------------------
+# -- gateway.sandbox.pause_policy: which paused sandbox the host snapshots -------------------------
 
-P = pause.PausedSandbox
-LIMITS = pause.PressureLimits(max_paused=2, min_available_mib=1000)
+P = pause_policy.PausedSandbox
+LIMITS = pause_policy.PressureLimits(max_paused=2, min_available_mib=1000)
 
 
 def test_pressure_picks_the_longest_paused():
     vms = [P("b", "t", 5.0), P("a", "t", 1.0), P("c", "u", 9.0)]
-    assert pause.pressure_victim(vms, 500, LIMITS)[0] == "a"  # memory low
-    assert pause.pressure_victim(vms, 5000, LIMITS)[0] == "a"  # 3 > max_paused
-    assert pause.pressure_victim(vms[:2], 5000, LIMITS) is None
-    assert pause.pressure_victim([], 10, LIMITS) is None
-    assert pause.pressure_victim(vms, None, pause.PressureLimits(0, 1000)) is None
+    assert pause_policy.pressure_victim(vms, 500, LIMITS)[0] == "a"  # memory low
+    assert pause_policy.pressure_victim(vms, 5000, LIMITS)[0] == "a"  # 3 > max_paused
+    assert pause_policy.pressure_victim(vms[:2], 5000, LIMITS) is None
+    assert pause_policy.pressure_victim([], 10, LIMITS) is None
+    assert pause_policy.pressure_victim(vms, None, pause_policy.PressureLimits(0, 1000)) is None
 
 
 def test_room_is_made_from_the_tenants_own_paused_sandboxes():
     vms = [P("b", "t", 5.0), P("a", "u", 1.0), P("c", "t", 3.0)]
-    assert pause.room_victim(vms, "t") == "c"
-    assert pause.room_victim(vms, "x") is None
+    assert pause_policy.room_victim(vms, "t") == "c"
+    assert pause_policy.room_victim(vms, "x") is None
 
 
 def test_mem_available(tmp_path: Path):
     f = tmp_path / "meminfo"
     f.write_text("MemTotal:       24000000 kB\nMemAvailable:    2097152 kB\n")
-    assert pause.mem_available_mib(f) == 2048
+    assert pause_policy.mem_available_mib(f) == 2048
     f.write_text("garbage")
-    assert pause.mem_available_mib(f) is None
-    assert pause.mem_available_mib(tmp_path / "missing") is None
+    assert pause_policy.mem_available_mib(f) is None
+    assert pause_policy.mem_available_mib(tmp_path / "missing") is None
 
 
 def test_pause_on_request_and_idle_timeout_zero_never_snapshots_a_paused_one():

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway import wire
-from gateway.egress_api import egress_view, parse_egress, policy_of
+from gateway.http import wire
+from gateway.sandbox.egress_policy import egress_view, parse_egress, policy_of
 from gateway.errors import BadRequest
 from vmctl import dnsfwd, dnsmsg
 from vmctl.egress import EgressPolicy, HostFacts, domain_matches, ruleset

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from agentbox import exceptions as sdk
-from gateway import openapi
+from gateway.http import openapi
 from gateway.errors import ERROR_CODES
 
 REPO = Path(__file__).resolve().parents[2]

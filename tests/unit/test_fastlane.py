@@ -1,4 +1,4 @@
-"""The preview fast lane (gateway.fastlane) on real loopback sockets: a raw upstream that
+"""The preview fast lane (gateway.preview.fastlane) on real loopback sockets: a raw upstream that
 records every byte it receives, the real preview app and SandboxController, and raw
 client sockets, each request through the fast lane and through aiohttp (fast_lane off)."""
 
@@ -15,21 +15,21 @@ import httptools
 import pytest
 from aiohttp import web
 
-from gateway import preview
-from gateway.api import SERVICE_KEY
+from gateway.preview import hosts
+from gateway.http.sandbox_routes import SERVICE_KEY
 from gateway.config import Config, ServerConfig
-from gateway.controller import HoldCounter, SandboxController
-from gateway.core import Policy, VMLost
-from gateway.lifecycle import State
-from gateway.middleware import (
+from gateway.sandbox.controller import HoldCounter, SandboxController
+from gateway.sandbox.core import Policy, VMLost
+from gateway.sandbox.states import State
+from gateway.http.middleware import (
     REGISTRY_KEY,
     api_error_middleware,
     auth_middleware,
     error_middleware,
 )
-from gateway.preview_auth import ACCESS_KEY
-from gateway.registry import Registry, SandboxRecord
-from gateway.slots import Slots
+from gateway.preview.access import ACCESS_KEY
+from gateway.store.registry import Registry, SandboxRecord
+from gateway.sandbox.slots import Slots
 from tests.unit.fastlane_server import FastTestServer
 
 SID = "0123456789abcdef"
@@ -190,10 +190,10 @@ def make_app(registry: Registry, config: Config, ctl: SandboxController) -> web.
                 yield machine
 
     app = web.Application(middlewares=[error_middleware, api_error_middleware,
-                                       preview.preview_middleware, auth_middleware])
+                                       hosts.preview_middleware, auth_middleware])
     app[SERVICE_KEY] = Service()  # type: ignore[assignment]
     app[REGISTRY_KEY] = registry
-    preview.setup(app, config)
+    hosts.setup(app, config)
     return app
 
 
@@ -701,8 +701,8 @@ async def test_idle_connections_of_a_sandbox_that_stopped_running_are_closed(env
 
 
 def test_sandbox_service_running_is_running_and_idle_only():
-    from gateway.core import SandboxCore
-    from gateway.sandboxes import SandboxService
+    from gateway.sandbox.core import SandboxCore
+    from gateway.sandbox.service import SandboxService
 
     ctl = SimpleNamespace(core=SandboxCore(State.RUNNING, Policy(), now=0.0))
     service = SimpleNamespace(_controllers={SID: ctl})

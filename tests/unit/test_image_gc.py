@@ -1,9 +1,9 @@
 import os
 import time
 
-from gateway import image_gc
-from gateway.lifecycle import State
-from gateway.registry import Registry, SandboxRecord
+from gateway.templates import image_gc
+from gateway.sandbox.states import State
+from gateway.store.registry import Registry, SandboxRecord
 
 
 def _build(images, template, name, age):

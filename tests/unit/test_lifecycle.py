@@ -1,6 +1,6 @@
 import pytest
 
-from gateway.lifecycle import TRANSITIONS, Event, IllegalTransition, State, mermaid, next_state
+from gateway.sandbox.states import TRANSITIONS, Event, IllegalTransition, State, mermaid, next_state
 
 
 def test_happy_path_through_suspend_and_wake():

@@ -1,4 +1,4 @@
-"""gateway.lifetimes: expiry decisions from the registry's facts, and the scan that destroys
+"""gateway.sandbox.expiry: expiry decisions from the registry's facts, and the scan that destroys
 through the service's controllers (fake ones: registry transitions only)."""
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from gateway import lifetimes, wire
+from gateway.sandbox import expiry
+from gateway.http import wire
 from gateway.config import Config, SandboxConfig, ServerConfig
 from gateway.errors import BadRequest
-from gateway.lifecycle import Event, State
-from gateway.registry import Registry, SandboxRecord
+from gateway.sandbox.states import Event, State
+from gateway.store.registry import Registry, SandboxRecord
 from tests.unit.test_tenancy_api import FakeService
 from vmctl.network import NetworkConfig
 
@@ -26,43 +27,43 @@ def rec(state=State.RUNNING, **kw) -> SandboxRecord:
 
 def test_ttl_expires_at_its_deadline_in_any_state_but_creating():
     r = rec(expires_at=160.0)
-    assert lifetimes.expired(r, 159.9) is None
-    assert "ttl expired" in lifetimes.expired(r, 160.0)
+    assert expiry.expired(r, 159.9) is None
+    assert "ttl expired" in expiry.expired(r, 160.0)
     for state in (State.SUSPENDED, State.FAILED, State.RESTORING, State.SUSPENDING):
-        assert lifetimes.expired(dataclasses.replace(r, state=state), 161) is not None
-    assert lifetimes.expired(dataclasses.replace(r, state=State.CREATING), 1e9) is None
-    assert lifetimes.expired(dataclasses.replace(r, state=State.DESTROYED), 1e9) is None
-    assert lifetimes.expired(rec(), 1e12) is None  # no ttl: never
+        assert expiry.expired(dataclasses.replace(r, state=state), 161) is not None
+    assert expiry.expired(dataclasses.replace(r, state=State.CREATING), 1e9) is None
+    assert expiry.expired(dataclasses.replace(r, state=State.DESTROYED), 1e9) is None
+    assert expiry.expired(rec(), 1e12) is None  # no ttl: never
 
 
 def test_auto_delete_counts_only_time_asleep():
     awake = rec(auto_delete_after=10.0, asleep_since=50.0)  # asleep before, awake now
-    assert lifetimes.expired(awake, 1e9) is None and lifetimes.delete_at(awake) is None
+    assert expiry.expired(awake, 1e9) is None and expiry.delete_at(awake) is None
     asleep = dataclasses.replace(awake, state=State.SUSPENDED, asleep_since=200.0)
-    assert lifetimes.delete_at(asleep) == 210.0
-    assert lifetimes.expired(asleep, 209.9) is None
-    assert "auto_delete_after" in lifetimes.expired(asleep, 210.0)
+    assert expiry.delete_at(asleep) == 210.0
+    assert expiry.expired(asleep, 209.9) is None
+    assert "auto_delete_after" in expiry.expired(asleep, 210.0)
     failed = dataclasses.replace(asleep, state=State.FAILED)
-    assert lifetimes.expired(failed, 210.0) is not None
+    assert expiry.expired(failed, 210.0) is not None
     never = dataclasses.replace(asleep, auto_delete_after=0.0)
-    assert lifetimes.expired(never, 1e12) is None
+    assert expiry.expired(never, 1e12) is None
 
 
 def test_create_and_patch_fields_defaults_and_bounds():
     cfg = SandboxConfig(ttl=600, auto_delete_after=30)
-    assert lifetimes.at_create(lifetimes.Lifetimes(), cfg, 1000.0) == {
+    assert expiry.at_create(expiry.Lifetimes(), cfg, 1000.0) == {
         "expires_at": 1600.0, "auto_delete_after": 30}
-    assert lifetimes.at_create(lifetimes.Lifetimes(ttl=0, auto_delete_after=0), cfg, 1000.0) == {
+    assert expiry.at_create(expiry.Lifetimes(ttl=0, auto_delete_after=0), cfg, 1000.0) == {
         "expires_at": None, "auto_delete_after": 0}
     # a PATCH ttl counts from now; 0 removes the deadline
-    assert lifetimes.at_update(lifetimes.Lifetimes(ttl=50), cfg, 2000.0) == {"expires_at": 2050}
-    assert lifetimes.at_update(lifetimes.Lifetimes(ttl=0), cfg, 2000.0) == {"expires_at": None}
-    assert lifetimes.at_update(lifetimes.Lifetimes(), cfg, 2000.0) == {}
+    assert expiry.at_update(expiry.Lifetimes(ttl=50), cfg, 2000.0) == {"expires_at": 2050}
+    assert expiry.at_update(expiry.Lifetimes(ttl=0), cfg, 2000.0) == {"expires_at": None}
+    assert expiry.at_update(expiry.Lifetimes(), cfg, 2000.0) == {}
     capped = SandboxConfig(max_ttl=100)
-    assert lifetimes.at_create(lifetimes.Lifetimes(), capped, 0.0)["expires_at"] == 100
+    assert expiry.at_create(expiry.Lifetimes(), capped, 0.0)["expires_at"] == 100
     for ttl in (0, 101):
         with pytest.raises(BadRequest):
-            lifetimes.at_create(lifetimes.Lifetimes(ttl=ttl), capped, 0.0)
+            expiry.at_create(expiry.Lifetimes(ttl=ttl), capped, 0.0)
     for body in ({"ttl": -1}, {"ttl": "10"}, {"ttl": True}, {"auto_delete_after": 1e12}):
         with pytest.raises(BadRequest, match="must be a number of seconds from 0 to"):
             wire.parse(wire.UpdateSandboxRequest, body)
@@ -126,18 +127,18 @@ async def test_the_scan_destroys_expired_sandboxes_through_their_controller(serv
         reg.transition(sid, Event.CREATED)
     reg.transition("asleep", Event.SUSPEND)
     reg.transition("asleep", Event.SUSPENDED, asleep_since=300.0)
-    assert await lifetimes.scan(service, now=200.0) == ["ttl"]
+    assert await expiry.scan(service, now=200.0) == ["ttl"]
     assert reg.get("ttl").state is State.DESTROYED
     assert reg.transitions("ttl")[-1]["cause"].startswith("ttl expired")
-    assert await lifetimes.scan(service, now=304.0) == []
-    assert await lifetimes.scan(service, now=305.0) == ["asleep"]
-    assert await lifetimes.scan(service, now=1e9) == ["keep"]  # "none" never expires
+    assert await expiry.scan(service, now=304.0) == []
+    assert await expiry.scan(service, now=305.0) == ["asleep"]
+    assert await expiry.scan(service, now=1e9) == ["keep"]  # "none" never expires
     assert reg.get("none").state is State.RUNNING
     assert service.metrics.events["expired"] == 3
 
 
 async def test_snapshot_sizes_are_measured_after_a_suspend_and_again_later(service, tmp_path):
-    from gateway.api_controls import measure_snapshots
+    from gateway.http.control_routes import measure_snapshots
 
     root = tmp_path / "sb"
     (root / "snapshot").mkdir(parents=True)

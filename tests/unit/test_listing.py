@@ -1,4 +1,4 @@
-"""gateway.listing: filters, and cursor pages that are exact and stable."""
+"""gateway.sandbox.listing: filters, and cursor pages that are exact and stable."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import base64
 import pytest
 from multidict import MultiDict
 
-from gateway import listing
+from gateway.sandbox import listing
 from gateway.errors import BadRequest
-from gateway.lifecycle import State
-from gateway.registry import SandboxRecord
+from gateway.sandbox.states import State
+from gateway.store.registry import SandboxRecord
 
 
 def rec(sid: str, created: float, state=State.RUNNING, template="python", **meta):

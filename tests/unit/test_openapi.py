@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from aiohttp import web
 
-from gateway import openapi
-from gateway.app import build_app
+from gateway.http import openapi
+from gateway.http.app import build_app
 from gateway.config import load
 
 
@@ -16,7 +16,7 @@ def registered_routes() -> set[tuple[str, str]]:
     app = build_app(load(None))
     if not any(r.resource is not None and r.resource.canonical == "/v1/openapi.json"
                for r in app.router.routes()):
-        pytest.fail("gateway.app.build_app does not register gateway.openapi.routes: "
+        pytest.fail("gateway.http.app.build_app does not register gateway.http.openapi.routes: "
                     "add `app.add_routes(openapi.routes)`")
     found = {(r.method, r.resource.canonical) for r in app.router.routes()
              if r.method != "HEAD" and r.resource is not None}
@@ -25,12 +25,12 @@ def registered_routes() -> set[tuple[str, str]]:
 
 def test_every_registered_route_is_documented():
     missing = registered_routes() - openapi.documented_routes()
-    assert not missing, f"routes missing from gateway/openapi.py OPS: {sorted(missing)}"
+    assert not missing, f"routes missing from gateway/http/openapi.py OPS: {sorted(missing)}"
 
 
 def test_every_documented_route_is_registered():
     extra = openapi.documented_routes() - registered_routes()
-    assert not extra, f"documented in gateway/openapi.py but not registered: {sorted(extra)}"
+    assert not extra, f"documented in gateway/http/openapi.py but not registered: {sorted(extra)}"
 
 
 def test_document_is_valid_openapi_3_1():

@@ -1,33 +1,33 @@
-"""The warm pool's decisions (gateway.pool), without I/O."""
+"""The warm pool's decisions (gateway.sandbox.warm_pool), without I/O."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway import pool
+from gateway.sandbox import warm_pool
 from gateway.config import ConfigError, PoolConfig, load
 
 
 def test_auto_size_follows_host_memory_and_templates():
-    assert pool.auto_size(24 * 1024, 1) == 3
-    assert pool.auto_size(24 * 1024, 2) == 1
-    assert pool.auto_size(256 * 1024, 1) == 4  # capped
-    assert pool.auto_size(24 * 1024, 4) == 1  # at least one on a host with 8 GiB or more
-    assert pool.auto_size(4 * 1024, 1) == 0
-    assert pool.auto_size(None, 1) == 0
+    assert warm_pool.auto_size(24 * 1024, 1) == 3
+    assert warm_pool.auto_size(24 * 1024, 2) == 1
+    assert warm_pool.auto_size(256 * 1024, 1) == 4  # capped
+    assert warm_pool.auto_size(24 * 1024, 4) == 1  # at least one on a host with 8 GiB or more
+    assert warm_pool.auto_size(4 * 1024, 1) == 0
+    assert warm_pool.auto_size(None, 1) == 0
 
 
 def test_refill_takes_the_emptiest_template_and_yields_to_the_foreground():
     members = {"python": 2, "node": 0}
-    assert pool.refill_choice(members, 2, False, True) == "node"
-    assert pool.refill_choice({"python": 2}, 2, False, True) is None
-    assert pool.refill_choice(members, 2, True, True) is None  # a create/restore runs
-    assert pool.refill_choice(members, 2, False, False) is None  # host at its limits
-    assert pool.refill_choice(members, 0, False, True) is None
+    assert warm_pool.refill_choice(members, 2, False, True) == "node"
+    assert warm_pool.refill_choice({"python": 2}, 2, False, True) is None
+    assert warm_pool.refill_choice(members, 2, True, True) is None  # a create/restore runs
+    assert warm_pool.refill_choice(members, 2, False, False) is None  # host at its limits
+    assert warm_pool.refill_choice(members, 0, False, True) is None
 
 
 def test_pool_tenant_is_no_key_id():
-    assert not all(ch in "0123456789abcdef" for ch in pool.POOL_TENANT)
+    assert not all(ch in "0123456789abcdef" for ch in warm_pool.POOL_TENANT)
 
 
 def test_pool_config(tmp_path):

@@ -14,18 +14,18 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway import preview, terminal
-from gateway.api import SERVICE_KEY
+from gateway.preview import hosts, terminal
+from gateway.http.sandbox_routes import SERVICE_KEY
 from gateway.config import Config, ServerConfig
-from gateway.lifecycle import State
-from gateway.middleware import (
+from gateway.sandbox.states import State
+from gateway.http.middleware import (
     REGISTRY_KEY,
     api_error_middleware,
     auth_middleware,
     error_middleware,
 )
-from gateway.preview_auth import ACCESS_KEY, cookie_name
-from gateway.registry import Registry, SandboxRecord
+from gateway.preview.access import ACCESS_KEY, cookie_name
+from gateway.store.registry import Registry, SandboxRecord
 from guest.protocol import AGENT_PORT
 from tests.unit.fastlane_server import FastTestServer
 from tests.unit.test_proxy import SEEN, SID, FakeService, upstream_app
@@ -46,11 +46,11 @@ async def make_env(tmp_path, aiohttp_server, aiohttp_client, **server):
             last_activity=now))
     config = Config(server=ServerConfig(proxy_read_timeout=1.0, **server))
     app = web.Application(middlewares=[error_middleware, api_error_middleware,
-                                       preview.preview_middleware, auth_middleware])
+                                       hosts.preview_middleware, auth_middleware])
     app[SERVICE_KEY] = FakeService(registry, config)  # type: ignore[assignment]
     app[REGISTRY_KEY] = registry
     app.add_routes(terminal.routes)
-    preview.setup(app, config)
+    hosts.setup(app, config)
     client = await aiohttp_client(FastTestServer(app), auto_decompress=False)  # the front lane
     host = f"{up.port}-{SID}.localhost"
     return SimpleNamespace(

@@ -14,23 +14,23 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway import preview
-from gateway.api import SERVICE_KEY
+from gateway.preview import hosts
+from gateway.http.sandbox_routes import SERVICE_KEY
 from gateway.config import Config, ServerConfig
 from gateway.errors import SandboxNotFound
-from gateway.lifecycle import State
-from gateway.middleware import (
+from gateway.sandbox.states import State
+from gateway.http.middleware import (
     REGISTRY_KEY,
     api_error_middleware,
     auth_middleware,
     error_middleware,
 )
-from gateway.preview_auth import ACCESS_KEY
-from gateway.registry import Registry, SandboxRecord
+from gateway.preview.access import ACCESS_KEY
+from gateway.store.registry import Registry, SandboxRecord
 from tests.unit.fastlane_server import FastTestServer
 
 SID = "0123456789abcdef"
-# gateway.middleware stores the API key under a str request key (aiohttp warns; reported).
+# gateway.http.middleware stores the API key under a str request key (aiohttp warns; reported).
 
 
 class FakeService:
@@ -183,12 +183,12 @@ async def env(tmp_path, aiohttp_server, aiohttp_client):
         last_activity=now))
     config = Config(server=ServerConfig(proxy_read_timeout=1.0))
     app = web.Application(middlewares=[error_middleware, api_error_middleware,
-                                       preview.preview_middleware, auth_middleware])
+                                       hosts.preview_middleware, auth_middleware])
     service = FakeService(registry, config)
     app[SERVICE_KEY] = service  # type: ignore[assignment]
     app[REGISTRY_KEY] = registry
-    preview.setup(app, config)
-    # Served as the daemon serves: through the front lane (gateway.fastlane).
+    hosts.setup(app, config)
+    # Served as the daemon serves: through the front lane (gateway.preview.fastlane).
     client = await aiohttp_client(FastTestServer(app), auto_decompress=False)
     token = client.app[ACCESS_KEY].get(SID).token
     host = f"{up.port}-{SID}.localhost"
@@ -212,7 +212,7 @@ async def test_get_forwards_path_query_and_headers(env):
     assert h["Via"] == "1.1 agentbox" and h["Cookie"] == "app=1"
     assert "X-AgentBox-Token" not in h and h["User-Agent"].startswith("Python/")
     assert r.headers["Via"].endswith("1.1 agentbox")
-    assert env.service.fast == 1  # served by the front lane (gateway.fastlane)
+    assert env.service.fast == 1  # served by the front lane (gateway.preview.fastlane)
 
 
 async def test_private_without_token_is_401_json_or_html(env):

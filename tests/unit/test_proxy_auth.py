@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import BadRequest
-from gateway.preview_auth import (
+from gateway.preview.access import (
     Access,
     AccessStore,
     Allow,
@@ -19,7 +19,7 @@ from gateway.preview_auth import (
     set_cookie_header,
     validate_public_ports,
 )
-from gateway.registry import Registry
+from gateway.store.registry import Registry
 from guest.protocol import AGENT_PORT
 
 HOST = "8000-0123456789abcdef.localhost"

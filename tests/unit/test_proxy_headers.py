@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from multidict import CIMultiDict
 
-from gateway.preview import HostRouter, PreviewHost, SessionHost
-from gateway.proxy_headers import (
+from gateway.preview.hosts import HostRouter, PreviewHost, SessionHost
+from gateway.preview.proxy_headers import (
     downstream_headers,
     mirror_close_code,
     read_cookie,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import BadRequest
-from gateway.registry import Registry
-from gateway.sessions import SessionSpec, validate_name, validate_spec
+from gateway.store.registry import Registry
+from gateway.preview.sessions import SessionSpec, validate_name, validate_spec
 
 
 @pytest.mark.parametrize("name", ["a", "alice", "a-b", "a1", "1a", "x" * 63, "8000-abc"])

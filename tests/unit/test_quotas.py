@@ -9,8 +9,8 @@ import pytest
 
 from gateway.config import ConfigError, load
 from gateway.errors import ApiError, QuotaExceeded
-from gateway.lifecycle import State
-from gateway.quotas import (
+from gateway.sandbox.states import State
+from gateway.tenancy.quotas import (
     Limits,
     TenancyConfig,
     Usage,
@@ -20,7 +20,7 @@ from gateway.quotas import (
     parse_overrides,
     usage_of,
 )
-from gateway.registry import Registry
+from gateway.store.registry import Registry
 
 
 def test_usage_counts_awake_states_and_skips_destroyed():
@@ -141,7 +141,7 @@ def test_the_sdk_maps_the_new_codes():
 
 
 def test_admin_keys_start_unlimited_but_keep_their_own_overrides():
-    from gateway.quotas import Limits, TenancyConfig
+    from gateway.tenancy.quotas import Limits, TenancyConfig
     cfg = TenancyConfig(max_sandboxes=5, max_awake=2, rate=10, burst=20)
     assert cfg.limits_for(False, {}).max_awake == 2 and cfg.limits_for(False, {}).rate == 10
     assert cfg.limits_for(True, {}) == Limits()
@@ -149,7 +149,7 @@ def test_admin_keys_start_unlimited_but_keep_their_own_overrides():
 
 
 def test_a_sandboxs_disk_usage_counts_its_own_files_not_its_chroots_links(tmp_path):
-    from gateway.sandboxes import tree_bytes
+    from gateway.sandbox.service import tree_bytes
 
     template = tmp_path / "images" / "rootfs.ext4"
     template.parent.mkdir()

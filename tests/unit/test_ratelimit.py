@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from aiohttp import web
 
-from gateway.middleware import REGISTRY_KEY, api_error_middleware, auth_middleware
-from gateway.quotas import TenancyConfig
-from gateway.ratelimit import (
+from gateway.http.middleware import REGISTRY_KEY, api_error_middleware, auth_middleware
+from gateway.tenancy.quotas import TenancyConfig
+from gateway.http.ratelimit import (
     LIMITER_KEY,
     BucketTable,
     RateLimiter,
@@ -18,7 +18,7 @@ from gateway.ratelimit import (
     peer_ip,
 )
 from gateway.errors import RateLimited
-from gateway.registry import Registry
+from gateway.store.registry import Registry
 
 
 class Clock:

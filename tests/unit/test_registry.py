@@ -2,8 +2,8 @@ import time
 
 import pytest
 
-from gateway.lifecycle import Event, IllegalTransition, State
-from gateway.registry import Registry, SandboxRecord
+from gateway.sandbox.states import Event, IllegalTransition, State
+from gateway.store.registry import Registry, SandboxRecord
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Shape decisions (gateway.resources), their config and key limits, the disk quota,
+"""Shape decisions (gateway.sandbox.resources), their config and key limits, the disk quota,
 golden naming per shape (vmctl.golden) and the guest's grow command (vmctl.disk_grow)."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from gateway import wire
+from gateway.http import wire
 from gateway.config import ConfigError, load
 from gateway.errors import BadRequest, Forbidden, QuotaExceeded
-from gateway.quotas import Limits, Usage, check_create, parse_overrides
-from gateway.registry import Registry
-from gateway.resources import (
+from gateway.tenancy.quotas import Limits, Usage, check_create, parse_overrides
+from gateway.store.registry import Registry
+from gateway.sandbox.resources import (
     ResourceLimits,
     ResourcesConfig,
     Shape,
@@ -121,7 +121,7 @@ def test_an_asked_disk_counts_against_the_disk_quota():
 def test_registry_keeps_the_shape_and_migrates_old_rows(tmp_path):
     import sqlite3
 
-    from gateway.registry import SCHEMA
+    from gateway.store.registry import SCHEMA
     db = sqlite3.connect(tmp_path / "r.sqlite")
     db.executescript(SCHEMA)
     db.execute("INSERT INTO sandboxes (id, tenant, template, state, slot, root, golden, "
@@ -193,7 +193,7 @@ def _shape_goldens(tmp_path, monkeypatch, build):  # type: ignore[no-untyped-def
     """A ShapeGoldens whose golden builds are ``build(mem_mib, vcpus)`` (no VM)."""
     import asyncio
 
-    from gateway import shapes
+    from gateway.sandbox import shape_goldens
 
     default = SimpleNamespace(template="python", dir=tmp_path / "img" / "golden-x-512M-r3",
                               vcpus=1, mem_mib=512, disk_mib=1216)
@@ -207,9 +207,9 @@ def _shape_goldens(tmp_path, monkeypatch, build):  # type: ignore[no-untyped-def
     async def fake_ensure(image, backend, progress, build_slot, mem_mib, vcpus):  # type: ignore[no-untyped-def]
         return await build(mem_mib, vcpus)
 
-    monkeypatch.setattr(shapes, "ensure_golden", fake_ensure)
-    monkeypatch.setattr(shapes, "_image_of", lambda golden: object())
-    return shapes.ShapeGoldens(SimpleNamespace(), {"python": default}, spawn), default
+    monkeypatch.setattr(shape_goldens, "ensure_golden", fake_ensure)
+    monkeypatch.setattr(shape_goldens, "_image_of", lambda golden: object())
+    return shape_goldens.ShapeGoldens(SimpleNamespace(), {"python": default}, spawn), default
 
 
 async def test_concurrent_creates_of_a_new_shape_share_one_build(tmp_path, monkeypatch):

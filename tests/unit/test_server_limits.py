@@ -9,7 +9,7 @@ import time
 import pytest
 from aiohttp import web
 
-from gateway.app import server_options
+from gateway.http.app import server_options
 from gateway.config import Config, ConfigError, ServerConfig, load
 
 

@@ -1,4 +1,4 @@
-"""gateway.slots.Slots: the per-sandbox pacing slots (taken now, or awaited in order)."""
+"""gateway.sandbox.slots.Slots: the per-sandbox pacing slots (taken now, or awaited in order)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.slots import Slots
+from gateway.sandbox.slots import Slots
 
 
 def test_try_take_takes_free_slots_only():

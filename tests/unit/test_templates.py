@@ -1,4 +1,4 @@
-"""The template catalog (gateway/templates.py): names per tenant, built-ins not shadowed,
+"""The template catalog (gateway/templates/catalog.py): names per tenant, built-ins not shadowed,
 files kept while anything depends on them and removed once nothing does."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway import wire
+from gateway.http import wire
 from gateway.errors import BadRequest, Conflict, TemplateNotFound, Unavailable
-from gateway.lifecycle import Event, State
-from gateway.registry import Registry, SandboxRecord
-from gateway.templates import Source, Template, TemplateCatalog, TemplateState, collectable
+from gateway.sandbox.states import Event, State
+from gateway.store.registry import Registry, SandboxRecord
+from gateway.templates.catalog import Source, Template, TemplateCatalog, TemplateState, collectable
 from vmctl import store
 from vmctl.golden import Golden
 from vmctl.spec import Accel, SnapshotFiles

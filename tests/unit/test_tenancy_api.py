@@ -10,15 +10,15 @@ from types import SimpleNamespace
 import pytest
 from aiohttp import web
 
-from gateway import api, api_keys
+from gateway.http import sandbox_routes, key_routes
 from gateway.config import Config, ServerConfig
-from gateway.controller import Wake
-from gateway.lifecycle import Event, State
-from gateway.middleware import REGISTRY_KEY, api_error_middleware, auth_middleware
-from gateway.quotas import TenancyConfig
-from gateway.ratelimit import LIMITER_KEY, RateLimiter, key_rate_middleware
-from gateway.registry import Registry, SandboxRecord
-from gateway.sandboxes import SandboxService
+from gateway.sandbox.controller import Wake
+from gateway.sandbox.states import Event, State
+from gateway.http.middleware import REGISTRY_KEY, api_error_middleware, auth_middleware
+from gateway.tenancy.quotas import TenancyConfig
+from gateway.http.ratelimit import LIMITER_KEY, RateLimiter, key_rate_middleware
+from gateway.store.registry import Registry, SandboxRecord
+from gateway.sandbox.service import SandboxService
 from vmctl.network import NetworkConfig
 
 
@@ -72,11 +72,11 @@ async def env(tmp_path, aiohttp_client):
     app = web.Application(middlewares=[api_error_middleware, auth_middleware,
                                        key_rate_middleware])
     app[REGISTRY_KEY] = registry
-    app[api.SERVICE_KEY] = service
-    app[api_keys.TENANCY_KEY] = config.tenancy
+    app[sandbox_routes.SERVICE_KEY] = service
+    app[key_routes.TENANCY_KEY] = config.tenancy
     app[LIMITER_KEY] = RateLimiter(config.tenancy)
-    app.add_routes(api.routes)
-    app.add_routes(api_keys.routes)
+    app.add_routes(sandbox_routes.routes)
+    app.add_routes(key_routes.routes)
     _, admin = registry.create_key("admin", admin=True)
     client = await aiohttp_client(app)
     yield SimpleNamespace(client=client, registry=registry, service=service,

@@ -1,10 +1,11 @@
-"""gateway.usage: awake and suspended intervals from a transition log, clipped to windows."""
+"""gateway.tenancy.usage: awake and suspended intervals from a transition log, clipped to
+windows."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway import usage
+from gateway.tenancy import usage
 
 SHAPE = usage.Shape(vcpus=2, mem_mib=512, snapshot_bytes=1 << 30)
 
@@ -75,7 +76,7 @@ def test_an_interval_recovery_closes_ends_at_the_crashed_daemons_last_heartbeat(
 
 
 def test_the_registry_records_daemon_runs(tmp_path):
-    from gateway.registry import Registry
+    from gateway.store.registry import Registry
 
     reg = Registry(tmp_path / "r.sqlite")
     first = reg.start_run()
@@ -90,7 +91,7 @@ def test_the_registry_records_daemon_runs(tmp_path):
 def test_a_sandbox_is_billed_for_its_own_shape_and_an_old_row_for_its_goldens():
     from types import SimpleNamespace
 
-    from gateway.api_controls import shape_of
+    from gateway.http.control_routes import shape_of
 
     goldens = {"/g/old": SimpleNamespace(vcpus=1, mem_mib=512)}
     service = SimpleNamespace(golden_for=lambda rec: goldens[rec.golden],

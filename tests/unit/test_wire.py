@@ -1,4 +1,4 @@
-"""The gateway's wire types (gateway.wire) against the schemas generated from them.
+"""The gateway's wire types (gateway.http.wire) against the schemas generated from them.
 
 1. Every view type, built with every optional field set (and with only the required ones),
    encodes to exactly its schema's keys and validates against the strict document
@@ -19,7 +19,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from gateway import openapi, wire, wire_base
+from gateway.http import openapi, wire, wire_base
 from gateway.errors import ERROR_CODES, BadRequest
 from tests.contract import strict_document, validate
 
@@ -194,7 +194,7 @@ def test_given_tells_null_from_absent():
 def test_type_schema_of_enums_and_literals():
     from typing import Literal
 
-    from gateway.lifecycle import State
+    from gateway.sandbox.states import State
 
     assert openapi.type_schema(State)["enum"][0] == next(iter(State)).value
     assert openapi.type_schema(Literal["a", "b"] | None) == {

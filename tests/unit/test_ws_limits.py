@@ -16,19 +16,19 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway import preview, terminal
-from gateway.api import SERVICE_KEY
+from gateway.preview import hosts, terminal
+from gateway.http.sandbox_routes import SERVICE_KEY
 from gateway.config import Config, ServerConfig
-from gateway.lifecycle import State
-from gateway.middleware import (
+from gateway.sandbox.states import State
+from gateway.http.middleware import (
     REGISTRY_KEY,
     TENANT_KEY,
     api_error_middleware,
     auth_middleware,
     error_middleware,
 )
-from gateway.preview_auth import ACCESS_KEY
-from gateway.registry import ApiKey, Registry, SandboxRecord
+from gateway.preview.access import ACCESS_KEY
+from gateway.store.registry import ApiKey, Registry, SandboxRecord
 from tests.unit.test_proxy import SID, FakeService
 from vmctl.agent_client import AgentClient
 
@@ -93,10 +93,10 @@ async def proxy_env(tmp_path, aiohttp_client):
         last_activity=now))
     config = Config(server=ServerConfig(proxy_read_timeout=5.0, max_ws_message_bytes=LIMIT))
     app = web.Application(middlewares=[error_middleware, api_error_middleware,
-                                       preview.preview_middleware, auth_middleware])
+                                       hosts.preview_middleware, auth_middleware])
     app[SERVICE_KEY] = FakeService(registry, config)  # type: ignore[assignment]
     app[REGISTRY_KEY] = registry
-    preview.setup(app, config)
+    hosts.setup(app, config)
     client = await aiohttp_client(app, auto_decompress=False)
     token = client.app[ACCESS_KEY].get(SID).token
     yield SimpleNamespace(client=client, token=token)

@@ -1,0 +1,221 @@
+"""Application factory and daemon start-up.
+
+Start-up order: registry (and the admin key on first start) -> templates and
+the VMM backend -> golden snapshots (built if missing) -> reconcile sandboxes
+left by a previous daemon -> serve. Shut-down releases host-side resources but
+leaves VMMs running; the next start re-adopts them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from gateway.http import (
+    sandbox_routes,
+    build_routes,
+    interp_routes,
+    key_routes,
+    template_routes,
+    metrics,
+    openapi,
+)
+from gateway.store import at_rest
+from gateway.sandbox import warm_pool
+from gateway.preview import hosts, terminal
+from gateway.http import control_routes
+from gateway.config import Config
+from gateway.http.middleware import (
+    REGISTRY_KEY,
+    api_error_middleware,
+    auth_middleware,
+    error_middleware,
+)
+from gateway.http.ratelimit import (
+    LIMITER_KEY,
+    RateLimiter,
+    address_rate_middleware,
+    key_rate_middleware,
+)
+from gateway.store.registry import Registry
+from gateway.sandbox.recovery import reconcile
+from gateway.sandbox.service import SandboxService, current_wake
+from vmctl import backend as vm_backend
+from vmctl import dnsfwd, network
+from vmctl.golden import Golden, ensure_golden
+
+log = logging.getLogger(__name__)
+
+CONFIG_KEY = web.AppKey("config", Config)
+
+
+def ensure_admin_key(registry: Registry, data_dir: Path) -> Path | None:
+    """On first start, mint an admin key into DATA_DIR/admin.key (mode 0600)."""
+    if registry.has_admin_key():
+        return None
+    _, secret = registry.create_key("admin", admin=True)
+    return at_rest.write_secret(data_dir / "admin.key", secret + "\n")
+
+
+async def load_goldens(config: Config) -> tuple[vm_backend.Backend | None, dict[str, Golden]]:
+    from images.catalog import load_template
+
+    images = {}
+    for name in config.sandbox.templates:
+        image = load_template(name, config.server.images_dir)
+        if image is None and config.build.background_builtins:
+            log.info("template %r is not built yet: building it in the background", name)
+            continue
+        if image is None:
+            log.error("template %r is not built in %s: run `make images` "
+                      "(or `agentbox-server images build %s`)", name, config.server.images_dir,
+                      name)
+            continue
+        _warn_if_stale(image)
+        images[name] = image
+    if not images:
+        return None, {}
+    first = next(iter(images.values()))
+    backend = (await vm_backend.select(config.vm, first.kernel)).for_daemon(
+        config.server.data_dir)
+    goldens = {}
+    for i, (name, image) in enumerate(images.items()):
+        try:
+            goldens[name] = await ensure_golden(image, backend, progress=log.info, build_slot=i)
+        except Exception:
+            log.exception("golden snapshot for template %r failed; template disabled", name)
+    return backend, goldens
+
+
+def _warn_if_stale(image) -> None:  # type: ignore[no-untyped-def]
+    """Say so when a template was built from other guest code than this checkout's (the
+    daemon would serve an agent that does not match the host side)."""
+    from images.hashing import files_digest, snapshot_files
+    from images.inputs import GUEST_DIR
+    from images.manifest import read_manifest
+
+    built = (read_manifest(image.dir) or {}).get("guest_digest")
+    if built and built != files_digest(snapshot_files(GUEST_DIR)):
+        log.warning("template %r was built from different guest/ code than this checkout: "
+                    "run `make images` (or `agentbox-server images build %s`)", image.name,
+                    image.name)
+
+
+def build_app(config: Config) -> web.Application:
+    app = web.Application(
+        # Rate limits sit either side of auth (gateway.http.ratelimit): per address, then per key.
+        middlewares=[error_middleware, api_error_middleware, hosts.preview_middleware,
+                     address_rate_middleware, auth_middleware, key_rate_middleware],
+        client_max_size=config.server.max_json_bytes)
+    app[CONFIG_KEY] = config
+    app[sandbox_routes.MAX_UPLOAD_KEY] = config.server.max_upload_bytes
+    app[key_routes.TENANCY_KEY] = config.tenancy
+    app[LIMITER_KEY] = RateLimiter(config.tenancy)
+    app[terminal.MAX_WS_KEY] = config.server.max_ws_message_bytes
+    app.add_routes(sandbox_routes.routes)
+    app.add_routes(interp_routes.routes)
+    app.add_routes(build_routes.routes)  # before api_templates: /v1/templates/builds
+    app[build_routes.MAX_CONTEXT_KEY] = config.build.max_context_bytes
+    app.add_routes(template_routes.routes)
+    app.add_routes(control_routes.routes)
+    app.add_routes(key_routes.routes)
+    app.add_routes(metrics.routes)
+    app.add_routes(terminal.routes)
+    app.add_routes(openapi.routes)
+    app.cleanup_ctx.append(_lifecycle)
+    hosts.setup(app, config)  # preview/session hosts, /v1/sessions, /v1/info (after _lifecycle)
+    app.on_response_prepare.append(_wake_header)
+    return app
+
+
+WAKE_HEADER = "X-AgentBox-Wake-Ms"
+POOL_HEADER = "X-AgentBox-Pool"
+
+
+async def _wake_header(request: web.Request, response: web.StreamResponse) -> None:
+    """Responses that had to wake their sandbox say so, and how long the wake took."""
+    wake = current_wake.get()
+    if wake is not None and wake.woke:
+        response.headers[WAKE_HEADER] = f"{wake.wake_ms:.1f}"
+    if warm_pool.claimed.get():  # a create answered from the warm pool
+        response.headers[POOL_HEADER] = "claimed"
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG_KEY]
+    at_rest.private_dir(config.server.data_dir)
+    registry = Registry(config.server.data_dir / "registry.sqlite")
+    app[REGISTRY_KEY] = registry
+    key_path = ensure_admin_key(registry, config.server.data_dir)
+    if key_path:
+        log.warning("created the admin API key: %s (mode 0600)", key_path)
+    # The sandboxes' DNS (vmctl.dnsfwd): every namespace made from here on is served by it.
+    resolver = dnsfwd.Resolver(dnsfwd.upstream_from(config.vm.network.dns_upstream))
+    network.RESOLVER = resolver
+    serving = _serve(app, config, registry)
+    try:
+        await anext(serving)
+        yield
+    finally:
+        await serving.aclose()  # stops the service (its finally) if it started
+        await resolver.aclose()
+        if network.RESOLVER is resolver:
+            network.RESOLVER = None
+        registry.close()
+
+
+async def _serve(app: web.Application, config: Config,
+                 registry: Registry) -> AsyncIterator[None]:
+    backend, goldens = await load_goldens(config)
+    if backend is None:
+        raise RuntimeError(f"no template is built in {config.server.images_dir}: run `make images`")
+    service = SandboxService(config, registry, backend, goldens)
+    app[sandbox_routes.SERVICE_KEY] = service
+    await reconcile(service)
+    service.start()
+    build_routes.attach(app, config, service)  # Dockerfile builds; built-ins still missing
+    log.info("agentbox ready on http://%s (vmm %s/%s; templates: %s)", config.server.listen,
+             backend.driver_name, backend.accel.value, ", ".join(sorted(goldens)) or "none")
+    try:
+        yield
+    finally:
+        await build_routes.detach(app, service)
+        await service.aclose()
+
+
+def serve(config: Config) -> None:
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run(build_app(config), config)
+
+
+def run(app: web.Application, config: Config) -> None:
+    """Serve ``app`` on ``[server] listen`` until a signal (bench/gateway.py runs this too)."""
+    import uvloop
+
+    if not config.server.fast_lane:
+        web.run_app(app, host=config.server.host, port=config.server.port,
+                    loop=uvloop.new_event_loop(), print=None, **server_options(config))
+        return
+    # run_app with the front lane's site (gateway.preview.fastlane) in place of its TCPSite.
+    from gateway.preview import fastlane
+
+    fastlane.run_app(app, fastlane.bind(config.server.host, config.server.port),
+                     uvloop.new_event_loop(), **server_options(config))
+
+
+def server_options(config: Config) -> dict[str, Any]:
+    """How the HTTP server treats its clients (``run_app``/``AppRunner`` keyword arguments)."""
+    return {
+        "access_log": None, "handler_cancellation": True,
+        "auto_decompress": False,  # the proxy passes bodies as-is
+        # aiohttp arms this timer when a connection opens and again after each response,
+        # and closes the connection if it fires while the request's headers are still
+        # incomplete: the header-read timeout (slowloris) and the idle keep-alive limit.
+        # It is not reset by bytes arriving, so headers sent a byte at a time are cut off.
+        "keepalive_timeout": config.server.header_read_timeout,
+    }

@@ -1,0 +1,277 @@
+"""Sessions: long-lived, named sandboxes addressable by host (``{name}.{session_domain}``)
+or path (``/v1/sessions/{name}/proxy/...``).
+
+Theory of operation
+-------------------
+A session is a registry row (name, owner, sandbox, app port, start command)
+pointing at an ordinary sandbox. It suspends when idle and wakes on a request
+like any sandbox, with its processes' memory intact, and it outlives daemon
+restarts because both rows are in the registry.
+
+``PUT /v1/sessions/{name}`` is idempotent: the first call reserves the name (one
+synchronous INSERT, so two racing calls cannot both win), creates the sandbox
+in a task the session service owns (a client that disconnects does not leave a
+half-made session; later calls wait for it), then starts ``start`` once as a
+background command in the guest. The start is recorded ``starting`` before it
+is sent and ``started`` (with its pid) after, and is never sent again: not on
+wake (the process was suspended with the VM, not killed), not on restart. If the
+session's sandbox is gone (deleted or failed to create), the next PUT makes a
+new one and runs ``start`` in it.
+
+Names are DNS labels and global, since hosts are global: another tenant's name
+is a 409 ``session_name_taken``; to everyone else it does not exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from gateway.http import wire
+from gateway.http.sandbox_routes import json_response, read_json
+from gateway.errors import BadRequest, Conflict, NotFound, SandboxNotFound
+from gateway.sandbox.states import State
+from gateway.http.middleware import current_key
+from gateway.preview.access import ACCESS_KEY, COOKIE, TOKEN_HEADER, require_previewable
+from gateway.preview.proxy import PROXY_KEY, Target, deferred_expect
+from gateway.store.registry import Registry
+from gateway.sandbox.service import SandboxService, parse_metadata
+from guest.protocol import AGENT_PORT, CommandRequest
+from vmctl import agent_interp
+
+log = logging.getLogger(__name__)
+NAME_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+_PREVIEW_LABEL = re.compile(r"\d+-[a-z0-9]+")
+
+
+class SessionNotFound(NotFound):
+    code = "session_not_found"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"session {name!r} not found")
+
+
+class SessionNameTaken(Conflict):
+    code = "session_name_taken"
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    template: str | None = None
+    port: int = 8000
+    idle_timeout: float | None = None
+    start: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Session:
+    name: str
+    tenant: str
+    sandbox_id: str | None
+    port: int
+    start: str | None
+    start_state: str  # none | starting | started | failed (never re-run in any state)
+    start_pid: int | None
+    start_error: str | None
+    metadata: dict[str, Any]
+    created_at: float
+    updated_at: float
+
+
+def validate_name(name: str, reserve_preview_labels: bool = False) -> str:
+    if not NAME_RE.fullmatch(name) or (reserve_preview_labels and _PREVIEW_LABEL.fullmatch(name)):
+        raise BadRequest(f"session name {name!r} must be a DNS label: 1-63 of a-z, 0-9 and '-', "
+                         "not starting or ending with '-'", code="bad_session_name")
+    return name
+
+
+def validate_spec(body: Any) -> SessionSpec:
+    req = wire.parse(wire.SessionSpec, body)
+    if req.port == AGENT_PORT:
+        raise BadRequest(f"port {AGENT_PORT} is the guest agent's and cannot be a session's "
+                         "port", code="port_reserved")
+    return SessionSpec(req.template, req.port, req.idle_timeout, req.start,
+                       parse_metadata(req.metadata) or {})
+
+
+class SessionService:
+    def __init__(self, service: SandboxService, registry: Registry) -> None:
+        self.service = service
+        self.registry = registry
+        server = service.config.server
+        self.reserve_preview_labels = server.preview_domain == server.session_domain
+        self._pending: dict[str, asyncio.Task] = {}
+
+    # -- queries ---------------------------------------------------------------------
+
+    def by_name(self, name: str) -> Session:
+        """Any tenant's session (host routing; access is checked by the caller)."""
+        row = self.registry.get_session(name)
+        if row is None:
+            raise SessionNotFound(name)
+        return Session(**row)
+
+    def get(self, tenant: str, name: str) -> Session:
+        session = self.by_name(name)
+        if session.tenant != tenant:
+            raise SessionNotFound(name)
+        return session
+
+    def list(self, tenant: str) -> list[Session]:
+        return [Session(**row) for row in self.registry.list_sessions(tenant)]
+
+    def sandbox_state(self, session: Session) -> State | None:
+        rec = self.registry.get(session.sandbox_id) if session.sandbox_id else None
+        return rec.state if rec else None
+
+    # -- create / delete -------------------------------------------------------------
+
+    async def ensure(self, tenant: str, name: str, spec: SessionSpec) -> tuple[Session, bool]:
+        """The session ``name``, created with ``spec`` unless it exists. True if created."""
+        validate_name(name, self.reserve_preview_labels)
+        while True:
+            row = self.registry.get_session(name)
+            if row is not None and row["tenant"] != tenant:
+                raise SessionNameTaken(f"session name {name!r} is taken")
+            pending = self._pending.get(name)
+            if pending is not None:
+                await asyncio.shield(pending)
+                return self.get(tenant, name), False
+            if row is None:
+                now = time.time()
+                if not self.registry.insert_session({
+                        "name": name, "tenant": tenant, "port": spec.port, "start": spec.start,
+                        "metadata": spec.metadata, "created_at": now, "updated_at": now}):
+                    continue  # lost a race for the name: look again
+            elif self.sandbox_state(Session(**row)) not in (None, State.DESTROYED):
+                return Session(**row), False
+            else:  # its sandbox is gone: make a new one under the same name
+                self.registry.update_session(name, sandbox_id=None, port=spec.port,
+                                             start=spec.start, metadata=spec.metadata,
+                                             start_state="none", start_pid=None,
+                                             start_error=None)
+            task = self.service.spawn(self._create(tenant, name, spec), f"session-{name}")
+            self._pending[name] = task
+            task.add_done_callback(lambda _t, n=name: self._pending.pop(n, None))
+            await asyncio.shield(task)
+            return self.get(tenant, name), True
+
+    async def _create(self, tenant: str, name: str, spec: SessionSpec) -> None:
+        try:
+            rec = await self.service.create(tenant, spec.template, spec.metadata,
+                                            spec.idle_timeout)
+        except BaseException:
+            self.registry.delete_session(name)  # release the name; the error goes to the caller
+            raise
+        self.registry.update_session(name, sandbox_id=rec.id)
+        if spec.start:
+            await self._start(tenant, name, rec.id, spec.start)
+
+    async def _start(self, tenant: str, name: str, sandbox_id: str, command: str) -> None:
+        self.registry.update_session(name, start_state="starting")
+        try:
+            async with self.service.use(tenant, sandbox_id) as machine:
+                started = await agent_interp.start_command(
+                    machine.require_agent(), CommandRequest(command=command, background=True))
+        except Exception as exc:
+            log.warning("session %s: start command failed: %s", name, exc)
+            self.registry.update_session(name, start_state="failed", start_error=str(exc))
+        else:
+            self.registry.update_session(name, start_state="started", start_pid=started.pid)
+
+    async def delete(self, tenant: str, name: str) -> None:
+        session = self.get(tenant, name)
+        pending = self._pending.get(name)
+        if pending is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(pending)
+            session = self.get(tenant, name)
+        if session.sandbox_id:
+            with contextlib.suppress(SandboxNotFound):
+                await self.service.destroy(tenant, session.sandbox_id)
+        self.registry.delete_session(name)
+
+    async def aclose(self) -> None:
+        """Creations in flight are owned by the sandbox service's tasks (it closes them)."""
+        self._pending.clear()
+
+
+SESSIONS_KEY = web.AppKey("sessions", SessionService)
+
+# -- API -----------------------------------------------------------------------------------
+
+routes = web.RouteTableDef()
+
+
+def _sessions(request: web.Request) -> SessionService:
+    return request.config_dict[SESSIONS_KEY]
+
+
+def session_view(request: web.Request, session: Session) -> wire.Session:
+    from gateway.http.info import SERVER_KEY, url_templates
+
+    state = _sessions(request).sandbox_state(session)
+    template = url_templates(request.config_dict[SERVER_KEY])[1]
+    token = (request.config_dict[ACCESS_KEY].get(session.sandbox_id).token
+             if session.sandbox_id else None)
+    return wire.Session(
+        name=session.name, sandbox_id=session.sandbox_id,
+        state=state.value if state else "creating", port=session.port,
+        start=session.start, start_state=session.start_state,  # type: ignore[arg-type]
+        start_pid=session.start_pid, start_error=session.start_error,
+        metadata=session.metadata, created_at=session.created_at,
+        url=template.replace("{name}", session.name),
+        proxy_path=f"/v1/sessions/{session.name}/proxy/", preview_token=token)
+
+
+@routes.put("/v1/sessions/{name}")
+async def put_session(request: web.Request) -> web.Response:
+    spec = validate_spec(await read_json(request))
+    session, created = await _sessions(request).ensure(
+        current_key(request).id, request.match_info["name"], spec)
+    return json_response(session_view(request, session), status=201 if created else 200)
+
+
+@routes.get("/v1/sessions")
+async def list_sessions(request: web.Request) -> web.Response:
+    found = _sessions(request).list(current_key(request).id)
+    return json_response(wire.SessionList(sessions=[session_view(request, s) for s in found]))
+
+
+@routes.get("/v1/sessions/{name}")
+async def get_session(request: web.Request) -> web.Response:
+    session = _sessions(request).get(current_key(request).id, request.match_info["name"])
+    return json_response(session_view(request, session))
+
+
+@routes.delete("/v1/sessions/{name}")
+async def delete_session(request: web.Request) -> web.Response:
+    await _sessions(request).delete(current_key(request).id, request.match_info["name"])
+    return web.Response(status=204)
+
+
+@routes.route("*", "/v1/sessions/{name}/proxy", expect_handler=deferred_expect)
+@routes.route("*", "/v1/sessions/{name}/proxy/{path:.*}", expect_handler=deferred_expect)
+async def proxy_session(request: web.Request) -> web.StreamResponse:
+    """The session's app under an API path (API-key auth; the key never reaches the app)."""
+    tenant = current_key(request).id
+    session = _sessions(request).get(tenant, request.match_info["name"])
+    if not session.sandbox_id:
+        raise NotFound(f"session {session.name!r} has no sandbox yet", code="session_not_ready")
+    require_previewable(session.port)  # also for a row written before the PUT refused it
+    prefix = f"/v1/sessions/{session.name}/proxy"
+    raw = request.raw_path
+    rest = raw[len(prefix):] if raw.startswith(prefix) else "/" + request.match_info.get("path", "")
+    target = Target(tenant, session.sandbox_id, session.port,
+                    rest if rest.startswith("/") else "/" + rest,
+                    drop_headers=frozenset({"authorization", TOKEN_HEADER.lower()}),
+                    drop_cookie=COOKIE)
+    return await request.config_dict[PROXY_KEY].handle(request, target)

@@ -1,0 +1,482 @@
+"""Sandbox service: tenant-scoped operations on sandboxes.
+
+Policy lives here, in ``gateway.sandbox.controller`` (one per sandbox: wake on request,
+suspend when idle) and in ``gateway.sandbox.states`` (the transition table);
+mechanism in ``vmctl.Machine``; transport in ``gateway.http.sandbox_routes``.
+
+VMM processes are deliberately *not* stopped when the daemon stops: they are
+re-adopted on the next start (``gateway.sandbox.recovery``), so restarting or
+upgrading the daemon never loses a sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import logging
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
+from typing import Any
+
+from gateway.sandbox import expiry, pause_policy, warm_pool, resources
+from gateway.tenancy import quotas
+from gateway.config import Config
+from gateway.sandbox.controller import HoldCounter, SandboxController, Wake, WakePolicy
+from gateway.builds.builtin import BuiltinBuilds
+from gateway.errors import BadRequest, Conflict, SandboxNotFound, Unavailable
+from gateway.sandbox.states import State
+from gateway.http.metrics import Metrics
+from gateway.store.registry import Registry, SandboxRecord
+from gateway.sandbox.egress_policy import policy_of
+from gateway.sandbox.shape_goldens import ShapeGoldens
+from gateway.templates.catalog import TemplateCatalog
+from images.templates import ALIASES
+from vmctl import network
+from vmctl.backend import Backend
+from vmctl.golden import BUILD_SLOTS, Golden, load_golden_dir
+from vmctl.machine import Machine, MachinePlan
+
+log = logging.getLogger(__name__)
+
+MAX_METADATA_BYTES = 16 * 1024
+IDLE_SCAN_S = 1.0
+# Set while a request runs: how long it waited for its sandbox to wake (for a response header).
+current_wake: contextvars.ContextVar[Wake | None] = contextvars.ContextVar("wake", default=None)
+
+
+class SandboxService:
+    def __init__(self, config: Config, registry: Registry, backend: Backend,
+                 goldens: dict[str, Golden], policy: WakePolicy | None = None) -> None:
+        self.config = config
+        self.registry = registry
+        self.backend = backend
+        self.goldens = goldens
+        self.builtin_builds: BuiltinBuilds | None = None  # gateway.builds.builtin (set by app)
+        vm = config.vm  # what the backend was selected with
+        self.policy = policy or WakePolicy(
+            suspend_after_pause=config.sandbox.suspend_after_pause,
+            # a restore may fail at its limit and hand over to a cold boot: wait for both
+            cold_boot_deadline=vm.restore_timeout + vm.ready_timeout + 10.0)
+        self.holds = HoldCounter()
+        self.metrics = Metrics()
+        self._controllers: dict[str, SandboxController] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._golden_cache: dict[str, Golden] = {str(g.dir): g for g in goldens.values()}
+        # Served names and their aliases are reserved: no tenant template may take one.
+        self.templates = TemplateCatalog(registry, config.server.data_dir / "templates", goldens,
+                                         [*config.sandbox.templates, *ALIASES])
+        self._idle_task: asyncio.Task | None = None
+        size = config.pool.size if config.pool.size >= 0 else \
+            warm_pool.auto_size(warm_pool.mem_total_mib(), len(goldens))
+        self.pool = warm_pool.WarmPool(self, size)
+        self._expiry_task: asyncio.Task | None = None
+        self.run_id: int | None = None  # this daemon's row in daemon_runs (gateway.tenancy.usage)
+        self.shapes = ShapeGoldens(backend, goldens, self.spawn)
+
+    @property
+    def sandboxes_dir(self) -> Path:
+        return self.config.server.data_dir / "sandboxes"
+
+    # -- queries -------------------------------------------------------------------
+
+    def get(self, tenant: str, sandbox_id: str) -> SandboxRecord:
+        rec = self.registry.get(sandbox_id)
+        if rec is None or rec.tenant != tenant or rec.state is State.DESTROYED:
+            raise SandboxNotFound(sandbox_id)
+        return rec
+
+    def list(self, tenant: str) -> list[SandboxRecord]:
+        return self.registry.list(tenant)
+
+    # -- create / destroy / update ---------------------------------------------------
+
+    async def create(self, tenant: str, template: str | None, metadata: dict[str, Any],
+                     idle_timeout: float | None,
+                     lifetime: expiry.Lifetimes | None = None,
+                     egress: dict[str, Any] | None = None,
+                     shape_request: resources.ShapeRequest | None = None) -> SandboxRecord:
+        template, golden = self.resolve_template(
+            tenant, template or self.config.sandbox.default_template)
+        builtin = self.goldens.get(template) is golden
+        shape = self.shape_for(tenant, template, shape_request or resources.ShapeRequest(),
+                               golden)
+        await self.make_room(tenant)  # at max_awake: snapshot one of its paused sandboxes
+        # Checked before a possibly long golden build, and again (synchronously) by _reserve.
+        limits = self.limits(tenant)
+        quotas.check_create(tenant, limits, self._usage(tenant, bool(limits.max_disk_mib)),
+                            self._counted_disk(golden, shape))
+        times = expiry.at_create(lifetime or expiry.Lifetimes(), self.config.sandbox,
+                                    time.time())
+        if builtin and shape == resources.Shape(golden.vcpus, golden.mem_mib, golden.disk_mib):
+            # The pool holds the built-in templates' default shapes only.
+            claimed = await self.pool.claim(tenant, template, metadata,
+                                            self.config.sandbox.idle_timeout
+                                            if idle_timeout is None else idle_timeout, times)
+            if claimed is not None:
+                # Before the answer, so the tenant's first command already runs under its
+                # policy (until then the guest ran only its agent, under the host default).
+                return claimed if egress is None else await self.set_egress(
+                    tenant, claimed.id, egress)
+        if builtin:
+            golden = await self.shapes.get(template, shape.vcpus, shape.memory_mib)
+        elif (shape.vcpus, shape.memory_mib) != (golden.vcpus, golden.mem_mib):
+            raise BadRequest(f"template {template!r} is a snapshot of {golden.vcpus} vCPU(s) and "
+                             f"{golden.mem_mib} MiB: its sandboxes have that shape (a bigger "
+                             "disk_mib is possible)", code="invalid_resources")
+        rec = self._reserve(tenant, template, golden, metadata, idle_timeout, shape,
+                            {**times, "egress": egress})
+        ctl = self.controller(rec)
+        # The creation runs detached: a client that disconnects does not leave a half-made VM.
+        await ctl.create()
+        return ctl.rec
+
+    def resolve_template(self, tenant: str, name: str) -> tuple[str, Golden]:
+        """The template ``name`` means for ``tenant`` (an alias is its built-in's name; no
+        tenant template may take one) and its golden; 503 while a built-in still builds."""
+        if name not in self.goldens and name in ALIASES:
+            name = ALIASES[name]
+        if name not in self.goldens and self.builtin_builds is not None:
+            self.builtin_builds.check(name)
+        return name, self.templates.resolve(tenant, name)
+
+    def shape_for(self, tenant: str, template: str, request: resources.ShapeRequest,
+                  golden: Golden | None = None) -> resources.Shape:
+        """The shape a create gets (gateway.sandbox.resources decides; 400/403 if refused).
+        ``golden``: what the template resolved to (a tenant's template: its snapshot, whose
+        limits are those of the built-in template it was made from)."""
+        golden = golden or self.goldens[template]
+        cfg, key = self.config.resources, self.limits(tenant)
+        default = resources.Shape(golden.vcpus, golden.mem_mib, golden.disk_mib)
+        shape = resources.resolve(request, default, cfg.for_template(golden.template),
+                                  resources.ResourceLimits(key.max_vcpus, key.max_memory_mib,
+                                                           key.max_sandbox_disk_mib),
+                                  cfg.min_memory_mib)
+        if shape.disk_mib > default.disk_mib and self.backend.driver_name == "firecracker":
+            raise BadRequest("this host's VMM (firecracker) cannot grow a sandbox's disk yet",
+                             code="invalid_resources")
+        return shape
+
+    @staticmethod
+    def _counted_disk(golden: Golden, shape: resources.Shape) -> int:
+        """The disk a create counts against max_disk_mib up front: a size asked for."""
+        return shape.disk_mib if shape.disk_mib != golden.disk_mib else 0
+
+    def _reserve(self, tenant: str, template: str, golden: Golden, metadata: dict[str, Any],
+                 idle_timeout: float | None,
+                 shape: resources.Shape | None = None,
+                 extra: dict[str, Any] | None = None) -> SandboxRecord:
+        """Pick an id and a network slot and record the sandbox as CREATING (synchronous,
+        so two concurrent creates can never take the same slot)."""
+        limits = self.limits(tenant)
+        shape = shape or resources.Shape(golden.vcpus, golden.mem_mib, golden.disk_mib)
+        quotas.check_create(tenant, limits, self._usage(tenant, measure_disk=bool(
+            limits.max_disk_mib)), self._counted_disk(golden, shape))
+        used = self.registry.used_slots()
+        if len(used) >= self.config.sandbox.max_sandboxes:
+            raise Unavailable(f"this host is at its limit of {self.config.sandbox.max_sandboxes} "
+                              "sandboxes", code="sandbox_limit", headers={"Retry-After": "30"})
+        slot = self._free_slot(used)
+        if slot is None:
+            raise Unavailable("network address pool exhausted", code="sandbox_limit")
+        sandbox_id = secrets.token_hex(8)
+        now = time.time()
+        rec = SandboxRecord(
+            id=sandbox_id, tenant=tenant, template=template, state=State.CREATING, slot=slot,
+            root=str(self.sandboxes_dir / sandbox_id), golden=str(golden.dir),
+            idle_timeout=self.config.sandbox.idle_timeout if idle_timeout is None else idle_timeout,
+            host=self.registry.host, created_at=now, updated_at=now, last_activity=now,
+            metadata=metadata, vcpus=shape.vcpus, memory_mib=shape.memory_mib,
+            disk_mib=shape.disk_mib, **(extra or {}))
+        self.registry.insert_sandbox(rec)
+        return rec
+
+    def _free_slot(self, used: set[int]) -> int | None:
+        """Lowest slot no sandbox of ours holds and whose host interface does not exist
+        (another daemon on this host may be using the same pool)."""
+        cfg = self.backend.config.network
+        for index in range(cfg.capacity - BUILD_SLOTS):
+            if index in used or network.slot_reserved(index, cfg):
+                continue
+            if not os.path.exists(f"/sys/class/net/{network.slot_for(index, '', cfg).host_if}"):
+                return index
+        return None
+
+    async def destroy(self, tenant: str, sandbox_id: str) -> None:
+        ctl = self.controller(self.get(tenant, sandbox_id))
+        await ctl.destroy("deleted by API")
+        self.forget(sandbox_id)
+        self.templates.collect()  # a deleted template's files may have waited for this one
+
+    def update(self, tenant: str, sandbox_id: str, idle_timeout: float | None,
+               metadata: dict[str, Any] | None,
+               lifetime: expiry.Lifetimes | None = None) -> SandboxRecord:
+        rec = self.get(tenant, sandbox_id)
+        changes: dict[str, Any] = expiry.at_update(lifetime or expiry.Lifetimes(),
+                                                      self.config.sandbox, time.time())
+        if idle_timeout is not None:
+            changes["idle_timeout"] = idle_timeout
+        if metadata is not None:
+            changes["metadata"] = metadata
+        if changes:
+            self.registry.update(rec.id, **changes)
+        ctl = self.controller(self.registry.get(rec.id) or rec)
+        ctl.rec = self.registry.get(rec.id) or rec
+        return ctl.rec
+
+    # -- using a sandbox ---------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def use(self, tenant: str, sandbox_id: str) -> AsyncIterator[Machine]:
+        """Hold a running sandbox for one request, waking it first if it sleeps."""
+        ctl = self.controller(self.get(tenant, sandbox_id))
+        if ctl.state in (State.SUSPENDED, State.FAILED):
+            await self.make_room(tenant)
+        self._check_wake(tenant, ctl)
+        async with ctl.request() as wake:
+            current_wake.set(wake)
+            yield ctl.machine  # type: ignore[misc]
+
+    @contextlib.asynccontextmanager
+    async def use_stream(self, tenant: str, sandbox_id: str) -> AsyncIterator[Machine]:
+        """Like ``use`` for long-lived connections (WebSockets, terminals): not paced."""
+        ctl = self.controller(self.get(tenant, sandbox_id))
+        if ctl.state in (State.SUSPENDED, State.FAILED):
+            await self.make_room(tenant)
+        self._check_wake(tenant, ctl)
+        async with ctl.stream() as wake:
+            current_wake.set(wake)
+            yield ctl.machine  # type: ignore[misc]
+
+    def running(self, sandbox_id: str) -> SandboxController | None:
+        """The controller of a sandbox that is RUNNING with no operation under way, if it
+        has one (``gateway.preview.fastlane``: no registry read; anything else takes ``use()``)."""
+        ctl = self._controllers.get(sandbox_id)
+        return ctl if ctl is not None and ctl.core.serving else None
+
+    async def suspend(self, tenant: str, sandbox_id: str) -> SandboxRecord:
+        ctl = self.controller(self.get(tenant, sandbox_id))
+        if ctl.state is State.SUSPENDED:
+            return ctl.rec
+        await ctl.wait_op()
+        op = ctl.start_suspend("requested by API")
+        await asyncio.shield(op)
+        if ctl.state is not State.SUSPENDED:
+            raise Conflict(f"suspend of {sandbox_id} was cancelled by a request",
+                           code="suspend_cancelled")
+        return ctl.rec
+
+    async def resume(self, tenant: str, sandbox_id: str) -> SandboxRecord:
+        async with self.use(tenant, sandbox_id):
+            pass
+        return self.get(tenant, sandbox_id)
+
+    # -- quotas (gateway.tenancy.quotas decides; this measures) -----------------------------------
+
+    def limits(self, tenant: str) -> quotas.Limits:
+        """A key's effective limits: the [tenancy] defaults with its overrides."""
+        key = self.registry.get_key(tenant)
+        if key is None:
+            return self.config.tenancy.limits
+        return self.config.tenancy.limits_for(key.admin, key.limits)
+
+    def _usage(self, tenant: str, measure_disk: bool = False) -> quotas.Usage:
+        recs = self.registry.list(tenant)
+        disk = sum(tree_bytes(Path(r.root)) for r in recs) if measure_disk else 0
+        disk += self.templates.disk_bytes(tenant) if measure_disk else 0
+        return quotas.usage_of((r.state for r in recs), disk)
+
+    def _check_wake(self, tenant: str, ctl: SandboxController) -> None:
+        # Synchronous up to the controller's recording of the wake (RESTORING), so two
+        # concurrent wakes of one tenant cannot both pass the check.
+        if ctl.state in (State.SUSPENDED, State.FAILED):
+            quotas.check_wake(tenant, self.limits(tenant), self._usage(tenant))
+
+    # -- idle suspend --------------------------------------------------------------------
+
+    async def _idle_loop(self) -> None:
+        while True:
+            await asyncio.sleep(IDLE_SCAN_S)
+            for ctl in list(self._controllers.values()):
+                try:
+                    ctl.flush_activity()
+                    await ctl.idle_check()
+                except Exception:
+                    log.exception("idle check of %s", ctl.id)
+            try:
+                self._relieve_pressure()
+            except Exception:
+                log.exception("paused sandboxes: memory pressure check")
+
+    # -- paused sandboxes (gateway.sandbox.pause_policy decides; this measures and acts) -----------
+
+    def _paused(self) -> list[pause_policy.PausedSandbox]:
+        return [pause_policy.PausedSandbox(ctl.id, ctl.rec.tenant, ctl.core.paused_since)
+                for ctl in self._controllers.values()
+                if ctl.state is State.PAUSED and ctl.core.op is None
+                and ctl.rec.tenant != warm_pool.POOL_TENANT]
+
+    def _relieve_pressure(self) -> None:
+        """Snapshot one paused sandbox per scan while the host needs its memory."""
+        if any(t.get_name().startswith("pressure-") for t in self._tasks):
+            return  # one at a time: each snapshot frees the RAM it can
+        cfg = self.config.sandbox
+        victim = pause_policy.pressure_victim(self._paused(), pause_policy.mem_available_mib(),
+                                       pause_policy.PressureLimits(cfg.max_paused,
+                                                            cfg.pause_min_available_mib))
+        if victim is not None:
+            sandbox_id, cause = victim
+            ctl = self._controllers[sandbox_id]
+            self.spawn(self._suspend_paused(ctl, cause), f"pressure-{sandbox_id}")
+
+    async def make_room(self, tenant: str) -> None:
+        """At ``max_awake``, snapshot the tenant's longest-paused sandbox (bounded: one per
+        paused sandbox it has), so one more may wake or be created."""
+        limits = self.limits(tenant)
+        for _ in range(2 * len(self._controllers)):
+            if not limits.max_awake or self._usage(tenant).awake < limits.max_awake:
+                return
+            victim = pause_policy.room_victim(self._paused(), tenant)
+            if victim is not None:
+                await self._suspend_paused(self._controllers[victim], "room for another "
+                                           "awake sandbox of its tenant (max_awake)")
+                continue
+            # A pause is recorded when it begins, so a paused sandbox may still have an
+            # operation under way (its VM stopping, or its snapshot): wait for it, then
+            # look again (bounded by the machine's own timeouts).
+            pausing = next((ctl for ctl in self._controllers.values()
+                            if ctl.rec.tenant == tenant and ctl.state is State.PAUSED
+                            and ctl.core.op is not None), None)
+            if pausing is None:
+                return
+            with contextlib.suppress(Exception):
+                await pausing.wait_op()
+
+    async def _suspend_paused(self, ctl: SandboxController, cause: str) -> None:
+        if ctl.state is not State.PAUSED or ctl.core.op is not None:
+            return
+        self.metrics.events["paused_suspended"] += 1
+        with contextlib.suppress(Exception):  # a request may have woken it meanwhile
+            await asyncio.shield(ctl.start_suspend(cause))
+
+    # -- tasks and lifecycle -------------------------------------------------------------
+
+    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task:
+        """Start a task owned by this service (cancelled on close; errors logged)."""
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("task %s failed: %s", task.get_name(), task.exception())
+
+    def start(self) -> None:
+        self.templates.collect(startup=True)
+        self._idle_task = self.spawn(self._idle_loop(), "idle-loop")
+        self.pool.start()
+        self.run_id = self.registry.start_run()  # after recovery: its transitions are before
+        self._expiry_task = self.spawn(expiry.expiry_loop(self), "expiry-loop")
+
+    async def aclose(self, timeout: float = 15.0) -> None:
+        """Stop background work; VMMs keep running for the next daemon to adopt (but the
+        warm pool's own members are destroyed)."""
+        await self.pool.aclose()
+        loops = (self._idle_task, self._expiry_task)
+        for loop in loops:
+            if loop is not None:
+                loop.cancel()
+        ops = [t for t in self._tasks if t not in loops]
+        if ops:
+            _, pending = await asyncio.wait(ops, timeout=timeout)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        for ctl in self._controllers.values():
+            ctl.close()
+            agent, ctl.machine.agent = ctl.machine.agent, None  # type: ignore[attr-defined]
+            if agent is not None:
+                await agent.aclose()
+        self._controllers.clear()
+        if self.backend.cgroups is not None:  # gone only if no VMM of ours is left running
+            await asyncio.to_thread(self.backend.cgroups.remove_parent)
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def controller(self, rec: SandboxRecord) -> SandboxController:
+        """The one controller of a sandbox (made on first use, from its registry row)."""
+        ctl = self._controllers.get(rec.id)
+        if ctl is None:
+            machine = Machine(self.plan(rec), self.backend)
+            ctl = SandboxController(rec, machine, self.registry, self.policy, self.holds,
+                                    self.spawn, self.metrics)
+            self._controllers[rec.id] = ctl
+        return ctl
+
+    def forget(self, sandbox_id: str) -> None:
+        ctl = self._controllers.pop(sandbox_id, None)
+        if ctl is not None:
+            ctl.close()
+
+    async def set_egress(self, tenant: str, sandbox_id: str,
+                         egress: dict[str, Any]) -> SandboxRecord:
+        """Store a sandbox's new egress policy and apply it now if its namespace exists
+        (running or suspended: the firewall and resolver change in place, no restart)."""
+        rec = self.get(tenant, sandbox_id)
+        self.registry.update(rec.id, egress=egress)
+        rec = self.get(tenant, sandbox_id)
+        slot = self.plan(rec).slot
+        if slot.netns in network.list_namespaces():
+            await network.reload(slot, self.backend.config.network, self.plan(rec).egress)
+        return rec
+
+    def golden_for(self, rec: SandboxRecord) -> Golden:
+        """The golden snapshot a sandbox was made from (older builds stay loadable)."""
+        golden = self._golden_cache.get(rec.golden)
+        if golden is None:
+            golden = load_golden_dir(Path(rec.golden))
+            self._golden_cache[rec.golden] = golden
+        return golden
+
+    def plan(self, rec: SandboxRecord) -> MachinePlan:
+        slot = network.slot_for(rec.slot, rec.id, self.backend.config.network)
+        return MachinePlan(vm_id=rec.id, root=Path(rec.root), slot=slot,
+                           golden=self.golden_for(rec), disk_mib=rec.disk_mib,
+                           egress=policy_of(rec.egress, self.backend.config.network))
+
+
+def tree_bytes(root: Path) -> int:
+    """Bytes allocated to the files under ``root`` that are its own (sparse files count
+    what they use; each inode once). A sandbox's ``vm/`` chroot hard-links its disk's
+    backing chain (the template's files, ``vmctl.confine.mirror_into_chroot``): a file
+    there that has other links is not counted (the sandbox's own disk is, at its root)."""
+    total, seen = 0, set()
+    chroot = os.path.join(root, "vm")
+    for dirpath, _, files in os.walk(root):
+        in_chroot = dirpath == chroot or dirpath.startswith(chroot + os.sep)
+        for name in files:
+            try:  # a file removed while we walk
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            if st.st_ino in seen or (in_chroot and st.st_nlink > 1):
+                continue
+            seen.add(st.st_ino)
+            total += st.st_blocks * 512
+    return total
+
+
+def parse_metadata(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise BadRequest("'metadata' must be a JSON object")
+    if len(repr(value)) > MAX_METADATA_BYTES:
+        raise BadRequest(f"'metadata' must be under {MAX_METADATA_BYTES} bytes")
+    return value
