@@ -27,7 +27,7 @@ from gateway.http import (
 from gateway.store import at_rest
 from gateway.sandbox import warm_pool
 from gateway.preview import hosts, terminal
-from gateway.http import control_routes
+from gateway.http import control_routes, dashboard, events_routes
 from gateway.config import Config
 from gateway.http.middleware import (
     REGISTRY_KEY,
@@ -126,6 +126,8 @@ def build_app(config: Config) -> web.Application:
     app.add_routes(metrics.routes)
     app.add_routes(terminal.routes)
     app.add_routes(openapi.routes)
+    events_routes.setup(app)  # GET /v1/events (fed by the registry in _lifecycle)
+    dashboard.setup(app)  # /dashboard: static files, a client of the API above
     app.cleanup_ctx.append(_lifecycle)
     hosts.setup(app, config)  # preview/session hosts, /v1/sessions, /v1/info (after _lifecycle)
     app.on_response_prepare.append(_wake_header)
@@ -150,6 +152,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     at_rest.private_dir(config.server.data_dir)
     registry = Registry(config.server.data_dir / "registry.sqlite")
     app[REGISTRY_KEY] = registry
+    registry.listeners.append(app[events_routes.FEED_KEY].publish)
     key_path = ensure_admin_key(registry, config.server.data_dir)
     if key_path:
         log.warning("created the admin API key: %s (mode 0600)", key_path)

@@ -27,6 +27,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 REGISTRY_KEY = web.AppKey("registry", Registry)
 TENANT_KEY = web.RequestKey("agentbox.key", ApiKey)
 PUBLIC_PATHS = frozenset({"/healthz", "/v1/openapi.json"})
+# The dashboard's static files (gateway.http.dashboard): no data in them, and the page then
+# calls the API with the key in the Authorization header like any client.
+PUBLIC_PREFIX = "/dashboard"
 
 
 def error_response(status: int, code: str, message: str,
@@ -71,9 +74,9 @@ async def api_error_middleware(request: web.Request, handler: Handler) -> web.St
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if request.path in PUBLIC_PATHS:
+    if request.path in PUBLIC_PATHS or _is_dashboard(request.path):
         return await handler(request)
-    header = request.headers.get("Authorization", "")
+    header = request.headers.get("Authorization", "") or _websocket_bearer(request)
     scheme, _, secret = header.partition(" ")
     if scheme.lower() != "bearer" or not secret.strip():
         raise Unauthorized("missing API key: send 'Authorization: Bearer KEY'",
@@ -83,6 +86,27 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         raise Unauthorized("invalid API key", code="invalid_api_key")
     request[TENANT_KEY] = key
     return await handler(request)
+
+
+def _is_dashboard(path: str) -> bool:
+    return path == PUBLIC_PREFIX or path.startswith(PUBLIC_PREFIX + "/")
+
+
+WS_KEY_PREFIX = "agentbox.key."
+
+
+def _websocket_bearer(request: web.Request) -> str:
+    """A browser cannot set headers on a WebSocket: it offers the key as a subprotocol,
+    ``new WebSocket(url, ["agentbox.terminal", "agentbox.key." + KEY])`` ("Bearer KEY"
+    here; "" if absent). Still a header, never the URL; a cross-site page cannot know
+    it. The server answers with the other subprotocol only (gateway.preview.terminal)."""
+    if request.headers.get("Upgrade", "").lower() != "websocket":
+        return ""
+    for proto in request.headers.get("Sec-WebSocket-Protocol", "").split(","):
+        proto = proto.strip()
+        if proto.startswith(WS_KEY_PREFIX) and len(proto) > len(WS_KEY_PREFIX):
+            return "Bearer " + proto[len(WS_KEY_PREFIX):]
+    return ""
 
 
 def current_key(request: web.Request) -> ApiKey:

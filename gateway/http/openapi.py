@@ -211,7 +211,8 @@ _ANY_METHODS = ("GET", "PUT", "POST", "DELETE", "PATCH", "HEAD", "OPTIONS")
 # Registered routes that are not API endpoints: the preview/session host proxy answers any
 # path on ``{port}-{id}.<preview_domain>`` and ``{name}.<session_domain>`` hosts (a sub-app
 # matched by Host, which OpenAPI cannot express).
-NOT_API_ROUTES = frozenset({("*", "/{tail}")})
+NOT_API_ROUTES = frozenset({("*", "/{tail}"), ("GET", "/dashboard"),
+                            ("GET", "/dashboard/{name}")})  # the dashboard's static files
 _TENANT = ("tenant", "admin key only: another key's id (e.g. a revoked key's sandboxes)",
            {"type": "string"})
 _LIST_QUERY = (
@@ -271,6 +272,13 @@ OPS: tuple[Op, ...] = (
            ("to", "Unix time (default now)", {"type": "number"}),
            ("key", "admin key only: another key's id, or * for every key",
             {"type": "string"}))),
+    Op("GET", "/v1/events", "Sandbox state transitions, live (server-sent events)", "sandboxes",
+       returns="sse:TransitionEvent", errors=(),
+       description="text/event-stream: `event: ready` first, then one `event: transition` "
+                   "(data: TransitionEvent, id: its seq) per state change of the key's "
+                   "sandboxes (an admin key: all), comments as heartbeats; `event: dropped` "
+                   "ends a stream that fell behind (reload, reconnect). At most 4 streams "
+                   "per key (429)."),
     Op("GET", _SB + "/metrics", "A sandbox's CPU, memory (its VMM) and disk use", "sandboxes",
        returns="SandboxMetrics", errors=(403, 404), query=(_TENANT,),
        description="Read on the host; does not wake a suspended sandbox."),
@@ -377,6 +385,8 @@ def _content(kind: str) -> dict[str, Any]:
             content["text/plain"] = {"schema": {"type": "string"}}
         elif part == "any":
             content["*/*"] = {"schema": {}}
+        elif part.startswith("sse:"):  # text/event-stream whose data lines are the schema
+            content["text/event-stream"] = {"schema": _ref(part[len("sse:"):])}
         elif part.startswith("ndjson:"):
             content[NDJSON] = {"schema": _ref(part[len("ndjson:"):])}
         else:

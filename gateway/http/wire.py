@@ -158,6 +158,18 @@ class SandboxEvent:
     cause: str = ""
 
 
+@response(description="one line of GET /v1/events (a server-sent event's data)")
+class TransitionEvent:
+    seq: int = prop(description="the transition's number: increases across all sandboxes")
+    sandbox_id: str
+    tenant: str = prop(description="the id of the key that owns the sandbox")
+    at: float
+    from_: str | None = prop(None, name="from")
+    to: str
+    event: str
+    cause: str = ""
+
+
 @response
 class SandboxLogs:
     sandbox_id: str
@@ -493,7 +505,7 @@ class UpdateKeyRequest:
 # Every gateway schema of the document, in its order.
 SCHEMAS: tuple[type, ...] = (
     Error, ErrorDetail, Sandbox, Egress, SandboxList, SandboxUsage, KeyUsage, Usage,
-    SandboxMetrics, SandboxEvent, SandboxLogs, CreateSandboxRequest, EgressRules,
+    SandboxMetrics, SandboxEvent, TransitionEvent, SandboxLogs, CreateSandboxRequest, EgressRules,
     UpdateSandboxRequest, Template, TemplateProgress, Build, BuildResponse, BuildEvent,
     TemplateList, SnapshotRequest, ForkRequest, Health, Info, Preview, UpdatePreviewRequest,
     SessionSpec, Session, SessionList, KeyLimits, KeyLimitsUpdate, CreateKeyRequest,

@@ -46,6 +46,7 @@ routes = web.RouteTableDef()
 MAX_WS_KEY = web.AppKey("terminal_max_ws_message_bytes", int)
 DEFAULT_WS_LIMIT = 16 << 20
 
+SUBPROTOCOL = "agentbox.terminal"
 HEARTBEAT = 20.0  # seconds between pings to the client: a vanished client ends the terminal
 GOING_AWAY = 1001
 # Codes a peer can report but nobody may send: 1005 "no status" (and aiohttp's 0 for an
@@ -77,7 +78,10 @@ async def terminal(request: web.Request) -> web.StreamResponse:
     cols, rows = _size(request)
     _refuse_guest_origin(request)
     limit = request.app.get(MAX_WS_KEY, DEFAULT_WS_LIMIT)
-    ws = web.WebSocketResponse(max_msg_size=limit, heartbeat=HEARTBEAT)
+    # A browser offers "agentbox.terminal" with its key (gateway.http.middleware): answer
+    # that one; the key's own subprotocol is never echoed.
+    ws = web.WebSocketResponse(max_msg_size=limit, heartbeat=HEARTBEAT,
+                               protocols=(SUBPROTOCOL,))
     if not ws.can_prepare(request).ok:
         raise BadRequest("the terminal is a WebSocket: send an Upgrade request",
                          code="websocket_required")

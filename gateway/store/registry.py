@@ -17,12 +17,15 @@ import json
 import secrets
 import socket
 import sqlite3
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gateway.store import at_rest
+from gateway.store.feed import Transition
 from gateway.sandbox.states import Event, State, next_state
 
 SCHEMA = """
@@ -59,6 +62,7 @@ CREATE TABLE IF NOT EXISTS daemon_runs (
   id INTEGER PRIMARY KEY AUTOINCREMENT, started_at REAL NOT NULL, heartbeat REAL NOT NULL);
 """
 _ASLEEP = (State.SUSPENDED, State.FAILED)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,9 @@ class Registry:
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.executescript(SCHEMA)
         self._migrate()
+        # Called with each transition after it commits (gateway.store.feed.Feed.publish):
+        # must not block; an exception is logged, never raised into the caller.
+        self.listeners: list[Callable[[Transition], None]] = []
 
     def _migrate(self) -> None:
         """Bring a database made by an older daemon up to SCHEMA (columns added since)."""
@@ -195,7 +202,8 @@ class Registry:
         marks = ", ".join("?" for _ in row)
         with self._tx():
             self._db.execute(f"INSERT INTO sandboxes ({cols}) VALUES ({marks})", list(row.values()))
-            self._log(rec.id, None, rec.state, "insert", "created by API")
+            done = self._log(rec.id, None, rec.state, "insert", "created by API", rec.tenant)
+        self._emit(done)
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:
         row = self._db.execute("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
@@ -225,7 +233,8 @@ class Registry:
             if new in _ASLEEP and rec.state not in _ASLEEP:  # gateway.sandbox.expiry counts from it
                 updates.setdefault("asleep_since", time.time())
             self._update(sandbox_id, state=new, **updates)
-            self._log(sandbox_id, rec.state, new, event.value, cause)
+            done = self._log(sandbox_id, rec.state, new, event.value, cause, rec.tenant)
+        self._emit(done)
         out = self.get(sandbox_id)
         assert out is not None
         return out
@@ -337,11 +346,24 @@ class Registry:
         sets = ", ".join(f"{k} = ?" for k in row)
         self._db.execute(f"UPDATE sandboxes SET {sets} WHERE id = ?", [*row.values(), sandbox_id])
 
-    def _log(self, sandbox_id: str, src: State | None, dst: State, event: str, cause: str) -> None:
-        self._db.execute("INSERT INTO transitions (sandbox_id, from_state, to_state, event, cause, "
-                         "at) VALUES (?, ?, ?, ?, ?, ?)",
-                         (sandbox_id, src.value if src else None, dst.value, event, cause,
-                          time.time()))
+    def _log(self, sandbox_id: str, src: State | None, dst: State, event: str, cause: str,
+             tenant: str) -> Transition:
+        at = time.time()
+        cur = self._db.execute("INSERT INTO transitions (sandbox_id, from_state, to_state, "
+                               "event, cause, at) VALUES (?, ?, ?, ?, ?, ?)",
+                               (sandbox_id, src.value if src else None, dst.value, event, cause,
+                                at))
+        return Transition(cur.lastrowid or 0, sandbox_id, tenant, src.value if src else None,
+                          dst.value, event, cause, at)
+
+    def _emit(self, item: Transition) -> None:
+        """Tell the listeners about a committed transition (a nested transaction's is told
+        before the outer one commits: none is nested today)."""
+        for listener in self.listeners:
+            try:
+                listener(item)
+            except Exception:
+                log.exception("transition listener %r failed", listener)
 
     def _tx(self) -> _Transaction:
         return _Transaction(self._db)

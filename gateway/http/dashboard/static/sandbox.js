@@ -1,0 +1,96 @@
+// One sandbox: state and its transitions (with causes), console tail, CPU/memory/disk,
+// preview links, a terminal and a file browser.
+import { api } from "./api.js";
+import { act, bytes, clear, h, stateBadge, toast, when } from "./dom.js";
+import { terminalPanel } from "./terminal.js";
+import { filesPanel } from "./files.js";
+
+export async function sandboxView(main, { signal, feed, args: [id] }) {
+  const path = `/v1/sandboxes/${encodeURIComponent(id)}`;
+  const sb = await api("GET", path, { signal });
+  const state = h("span", { id: "sandbox-state" }, stateBadge(sb.state));
+  const failure = h("p", { class: "failure", id: "failure" }, sb.failure || "");
+  const events = h("tbody", { id: "transitions" });
+  const consoleTail = h("pre", { class: "console", id: "console" });
+  const metrics = h("dl", { class: "metrics", id: "metrics" });
+  const button = (label, fn) => h("button", { type: "button",
+    onclick: (ev) => act(ev.currentTarget, fn) }, label);
+  main.append(
+    h("h2", {}, "Sandbox ", h("code", {}, sb.id), " ", state),
+    h("p", {}, `template ${sb.template}; created ${when(sb.created_at)}; `
+               + `${sb.vcpus ?? "?"} vCPU, ${sb.memory_mib ?? "?"} MiB RAM, `
+               + `${sb.disk_mib ?? "?"} MiB disk`),
+    h("p", { class: "metadata" }, "metadata: ", JSON.stringify(sb.metadata)),
+    failure,
+    h("div", { class: "actions" },
+      button("Suspend", () => api("POST", `${path}/suspend`)),
+      button("Wake", () => api("POST", `${path}/resume`)),
+      button("Delete", async () => {
+        if (!confirm(`Delete sandbox ${sb.id}?`)) return;
+        await api("DELETE", path);
+        location.hash = "#/sandboxes";
+      })),
+    h("section", {}, h("h3", {}, "Resources"), metrics, button("Refresh", () => refresh())),
+    previewSection(sb),
+    h("section", {}, h("h3", {}, "Terminal"), terminalPanel(sb.id, signal)),
+    h("section", {}, h("h3", {}, "Files"), filesPanel(sb.id, signal)),
+    h("section", {}, h("h3", {}, "Transitions"),
+      h("table", { class: "grid" }, h("thead", {}, h("tr", {},
+        ["at", "from", "to", "event", "cause"].map((t) => h("th", {}, t)))), events)),
+    h("section", {}, h("h3", {}, "Console (tail)"), consoleTail));
+
+  async function refresh() {
+    const [logs, m] = await Promise.all([
+      api("GET", `${path}/logs?tail=200`, { signal }),
+      api("GET", `${path}/metrics`, { signal })]);
+    clear(events).append(...logs.events.map((e) => eventRow(e)).reverse());
+    consoleTail.textContent = logs.console.join("\n");
+    clear(metrics).append(
+      h("dt", {}, "CPU"), h("dd", {}, m.cpu_seconds == null ? "-" : `${m.cpu_seconds.toFixed(1)} s`),
+      h("dt", {}, "memory"), h("dd", {}, bytes(m.memory_bytes ?? m.rss_bytes)),
+      h("dt", {}, "disk"), h("dd", {}, bytes(m.disk_bytes)),
+      h("dt", {}, "snapshot"), h("dd", {}, bytes(m.snapshot_bytes)));
+  }
+
+  feed.addEventListener("transition", (ev) => {
+    const t = ev.detail;
+    if (t.sandbox_id !== sb.id) return;
+    state.replaceChildren(stateBadge(t.to));
+    events.prepend(eventRow(t));
+    if (t.to === "destroyed") toast("this sandbox was deleted", "info");
+  }, { signal });
+  feed.addEventListener("reload", () => refresh().catch(() => {}), { signal });
+  await refresh();
+}
+
+function eventRow(e) {
+  return h("tr", {}, h("td", {}, when(e.at)), h("td", {}, e.from ?? ""), h("td", {}, e.to),
+           h("td", {}, e.event), h("td", {}, e.cause));
+}
+
+function previewSection(sb) {
+  const list = h("ul", { id: "previews" });
+  const port = h("input", { type: "number", min: 1, max: 65535, placeholder: "port", size: 6 });
+  const link = (p) => {
+    const tpl = sb.preview_url_template || "";
+    let url = tpl.replace("{port}", String(p)).replace("{id}", sb.id);
+    if (!/^https?:\/\//.test(url)) return null;
+    if (!(sb.public_ports || []).includes(p) && sb.preview_token) {
+      url += `${url.includes("?") ? "&" : "?"}token=${encodeURIComponent(sb.preview_token)}`;
+    }
+    return h("li", {}, h("a", { href: url, target: "_blank", rel: "noopener noreferrer" },
+                         `port ${p}`), (sb.public_ports || []).includes(p) ? " (public)" : "");
+  };
+  list.append(...(sb.public_ports || []).map(link).filter(Boolean));
+  const form = h("form", {}, port, h("button", { type: "submit" }, "Link"));
+  form.addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    const p = Number(port.value);
+    if (p >= 1 && p <= 65535) {
+      const item = link(p);
+      if (item) list.append(item);
+      else toast("this server has no preview URL template");
+    }
+  });
+  return h("section", {}, h("h3", {}, "Preview links"), list, form);
+}
