@@ -70,3 +70,8 @@ export async function act(button, fn) {
     button.disabled = false;
   }
 }
+
+export function metadataText(meta) {
+  return Object.entries(meta || {}).map(([k, v]) =>
+    `${k}=${typeof v === "string" ? v : JSON.stringify(v)}`).join(", ");
+}

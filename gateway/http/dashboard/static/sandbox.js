@@ -1,7 +1,7 @@
 // One sandbox: state and its transitions (with causes), console tail, CPU/memory/disk,
 // preview links, a terminal and a file browser.
 import { api } from "./api.js";
-import { act, bytes, clear, h, stateBadge, toast, when } from "./dom.js";
+import { act, bytes, clear, h, metadataText, stateBadge, toast, when } from "./dom.js";
 import { terminalPanel } from "./terminal.js";
 import { filesPanel } from "./files.js";
 
@@ -20,7 +20,7 @@ export async function sandboxView(main, { signal, feed, args: [id] }) {
     h("p", {}, `template ${sb.template}; created ${when(sb.created_at)}; `
                + `${sb.vcpus ?? "?"} vCPU, ${sb.memory_mib ?? "?"} MiB RAM, `
                + `${sb.disk_mib ?? "?"} MiB disk`),
-    h("p", { class: "metadata" }, "metadata: ", JSON.stringify(sb.metadata)),
+    h("p", { class: "metadata" }, "metadata: ", metadataText(sb.metadata) || "none"),
     failure,
     h("div", { class: "actions" },
       button("Suspend", () => api("POST", `${path}/suspend`)),

@@ -1,16 +1,11 @@
 // The sandboxes page: filter, page, act (suspend, wake, delete), create; rows follow the
 // live feed without a reload.
 import { api, session } from "./api.js";
-import { act, age, clear, h, stateBadge, toast } from "./dom.js";
+import { act, age, clear, h, metadataText, stateBadge, toast } from "./dom.js";
 
 const STATES = ["", "running", "paused", "suspended", "failed", "creating", "restoring",
                 "suspending"];
 const PAGE = 25;
-
-function metadataText(meta) {
-  return Object.entries(meta || {}).map(([k, v]) =>
-    `${k}=${typeof v === "string" ? v : JSON.stringify(v)}`).join(", ");
-}
 
 function shape(sb) {
   return sb.vcpus ? `${sb.vcpus} vCPU, ${sb.memory_mib} MiB, ${sb.disk_mib} MiB disk` : "-";

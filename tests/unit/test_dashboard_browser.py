@@ -1,0 +1,84 @@
+"""The dashboard in headless Chromium against the real app in-process (fake VMs:
+tests.unit.dashboard_env): sign in, a sandbox made elsewhere appears live, a suspend from
+the page and a wake from the API show up without a reload, a script-injection metadata
+value is shown as text and never runs, the key never appears in a URL, the CSP holds
+(no console errors), and the other pages render. Screenshots: tests/artifacts/dashboard/."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.browser import browser_page, shot, sign_in
+from tests.unit import dashboard_env
+
+XSS = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script>'
+
+
+@pytest.fixture
+async def served(tmp_path, aiohttp_server):
+    app, registry, admin = dashboard_env.build(tmp_path)
+    server = await aiohttp_server(app)
+    yield server, registry, admin
+    registry.close()
+
+
+@pytest.mark.timeout(120)
+async def test_dashboard_in_a_browser(served, aiohttp_client):
+    server, registry, admin = served
+    base = str(server.make_url("")).rstrip("/")
+    auth = {"Authorization": f"Bearer {admin}"}
+    import aiohttp
+
+    async with aiohttp.ClientSession(base, headers=auth) as api, browser_page() as (page, watch):
+        await sign_in(page, base, admin)
+        created = await (await api.post("/v1/sandboxes", json={"metadata": {"note": XSS}})).json()
+        row = f'tr[data-id="{created["id"]}"]'
+        await page.wait_for_selector(f"{row} .state[data-state=running]")  # live, no reload
+        assert await page.text_content(f"{row} td.metadata") == f"note={XSS}"
+        assert await page.locator(f"{row} img, {row} script").count() == 0
+        assert await page.evaluate("window.__pwned") is None
+        await shot(page, "unit-sandboxes")
+
+        await page.click(f"{row} button.act-suspend")
+        await page.wait_for_selector(f"{row} .state[data-state=suspended]")
+        await api.post(f"/v1/sandboxes/{created['id']}/resume")  # a change made elsewhere
+        await page.wait_for_selector(f"{row} .state[data-state=running]")
+
+        await page.click(f"{row} a")
+        await page.wait_for_selector("#transitions tr")
+        causes = await page.locator("#transitions td:nth-child(5)").all_text_contents()
+        assert "requested by API" in causes
+        assert await page.text_content("#sandbox-state") == "running"
+        await api.post(f"/v1/sandboxes/{created['id']}/suspend")
+        await page.wait_for_selector("#sandbox-state .state[data-state=suspended]")
+        assert XSS in await page.text_content("p.metadata")
+        await shot(page, "unit-sandbox")
+
+        await page.click("a[href='#/keys']")
+        await page.fill("form.create input[name=name]", "from-the-page")
+        await page.click("form.create button[type=submit]")
+        await page.wait_for_selector("#new-secret:has-text('ab_')")
+        assert "from-the-page" in [k.name for k in registry.list_keys()]
+        await page.click("a[href='#/usage']")
+        await page.wait_for_selector("#usage-charts svg.chart")
+        await shot(page, "unit-usage")
+        await page.click("a[href='#/templates']")
+        await page.wait_for_selector("#templates tr[data-name=python]")
+
+        assert await page.evaluate("window.__pwned") is None
+        assert not [u for u in watch.urls if admin in u]  # the key never rides in a URL
+        assert not watch.errors, (watch.errors, watch.failed)  # no CSP violation, no script error
+
+
+@pytest.mark.timeout(60)
+async def test_a_refused_key_stays_signed_out(served):
+    server, _, _ = served
+    base = str(server.make_url("")).rstrip("/")
+    async with browser_page() as (page, watch):
+        await page.goto(f"{base}/dashboard")
+        await page.fill("#key", "ab_not-a-key")
+        await page.click("#signin button[type=submit]")
+        await page.wait_for_selector("#toast.error")
+        assert "sign-in failed" in await page.text_content("#toast")
+        assert await page.evaluate("sessionStorage.length") == 0
+        assert await page.is_visible("#signin")
