@@ -9,6 +9,7 @@ class: ``ApiError`` and vmctl's ``VmctlError`` both carry ``status`` and
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 from collections.abc import Awaitable, Callable
 
@@ -93,6 +94,9 @@ def _is_dashboard(path: str) -> bool:
 
 
 WS_KEY_PREFIX = "agentbox.key."
+# Only the terminal takes a key this way: a proxied WebSocket (/v1/sessions/{name}/proxy)
+# passes its subprotocols on to the guest app, which must never see a key.
+_WS_KEY_PATH = re.compile(r"/v1/sandboxes/[^/]+/terminal")
 
 
 def _websocket_bearer(request: web.Request) -> str:
@@ -100,7 +104,8 @@ def _websocket_bearer(request: web.Request) -> str:
     ``new WebSocket(url, ["agentbox.terminal", "agentbox.key." + KEY])`` ("Bearer KEY"
     here; "" if absent). Still a header, never the URL; a cross-site page cannot know
     it. The server answers with the other subprotocol only (gateway.preview.terminal)."""
-    if request.headers.get("Upgrade", "").lower() != "websocket":
+    if request.headers.get("Upgrade", "").lower() != "websocket" \
+            or not _WS_KEY_PATH.fullmatch(request.path):
         return ""
     for proto in request.headers.get("Sec-WebSocket-Protocol", "").split(","):
         proto = proto.strip()

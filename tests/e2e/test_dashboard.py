@@ -49,7 +49,7 @@ async def test_dashboard_end_to_end(daemon, api, tmp_path):
             await page.keyboard.type("echo dash$((6*7))board")
             await page.keyboard.press("Enter")
             await page.wait_for_function(
-                "document.querySelector('#terminal').textContent.includes('dash42board')",
+                "() => document.querySelector('#terminal').textContent.includes('dash42board')",
                 timeout=60_000)
 
             payload = b"uploaded from the dashboard\n" * 100

@@ -202,31 +202,36 @@ async def ws_app(tmp_path, aiohttp_client):
 
     app = web.Application(middlewares=[api_error_middleware, auth_middleware])
     app[REGISTRY_KEY] = registry
-    app.router.add_get("/ws", handler)
+    app.router.add_get("/v1/sandboxes/{id}/terminal", handler)
+    app.router.add_get("/v1/sessions/{name}/proxy", handler)
     yield await aiohttp_client(app), key, secret
     registry.close()
 
 
 async def test_a_browser_presents_its_key_as_a_websocket_subprotocol(ws_app):
     client, key, secret = ws_app
-    ws = await client.ws_connect("/ws", protocols=("agentbox.terminal", f"agentbox.key.{secret}"))
+    ws = await client.ws_connect("/v1/sandboxes/sb1/terminal",
+                                 protocols=("agentbox.terminal", f"agentbox.key.{secret}"))
     assert ws.protocol == "agentbox.terminal"  # the key is never echoed back
     assert (await ws.receive_str()) == key.id
     await ws.close()
 
 
-@pytest.mark.parametrize("protocols, upgrade", [
-    (("agentbox.terminal", "agentbox.key.ab_wrong"), True),
-    (("agentbox.terminal", "agentbox.key."), True),
-    (("agentbox.terminal",), True),
-    (("agentbox.terminal", "agentbox.key.SECRET"), False),  # not a WebSocket upgrade
+@pytest.mark.parametrize("path, protocols, upgrade", [
+    ("/v1/sandboxes/sb1/terminal", ("agentbox.terminal", "agentbox.key.ab_wrong"), True),
+    ("/v1/sandboxes/sb1/terminal", ("agentbox.terminal", "agentbox.key."), True),
+    ("/v1/sandboxes/sb1/terminal", ("agentbox.terminal",), True),
+    ("/v1/sandboxes/sb1/terminal", ("agentbox.terminal", "agentbox.key.SECRET"), False),
+    # a proxied WebSocket would hand its subprotocols to the guest app: never a key there
+    ("/v1/sessions/s/proxy", ("agentbox.terminal", "agentbox.key.SECRET"), True),
 ])
-async def test_the_subprotocol_key_is_checked_and_only_for_websockets(ws_app, protocols, upgrade):
+async def test_the_subprotocol_key_is_checked_and_only_for_the_terminal(ws_app, path, protocols,
+                                                                        upgrade):
     client, _, secret = ws_app
     protocols = tuple(p.replace("SECRET", secret) for p in protocols)
     headers = {"Sec-WebSocket-Protocol": ", ".join(protocols)}
     if upgrade:
         headers |= {"Upgrade": "websocket", "Connection": "Upgrade",
                     "Sec-WebSocket-Version": "13", "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="}
-    resp = await client.get("/ws", headers=headers)
+    resp = await client.get(path, headers=headers)
     assert resp.status == 401

@@ -9,7 +9,8 @@ export async function sandboxView(main, { signal, feed, args: [id] }) {
   const path = `/v1/sandboxes/${encodeURIComponent(id)}`;
   const sb = await api("GET", path, { signal });
   const state = h("span", { id: "sandbox-state" }, stateBadge(sb.state));
-  const failure = h("p", { class: "failure", id: "failure" }, sb.failure || "");
+  const failure = h("p", { class: "failure", id: "failure" },
+                    sb.failure ? `failure: ${sb.failure}` : "");
   const events = h("tbody", { id: "transitions" });
   const consoleTail = h("pre", { class: "console", id: "console" });
   const metrics = h("dl", { class: "metrics", id: "metrics" });
@@ -40,11 +41,15 @@ export async function sandboxView(main, { signal, feed, args: [id] }) {
     h("section", {}, h("h3", {}, "Console (tail)"), consoleTail));
 
   async function refresh() {
-    const [logs, m] = await Promise.all([
-      api("GET", `${path}/logs?tail=200`, { signal }),
-      api("GET", `${path}/metrics`, { signal })]);
+    const [logs, now] = await Promise.all([api("GET", `${path}/logs?tail=200`, { signal }),
+                                           api("GET", path, { signal }), refreshMetrics()]);
+    failure.textContent = now.failure ? `failure: ${now.failure}` : "";
     clear(events).append(...logs.events.map((e) => eventRow(e)).reverse());
     consoleTail.textContent = logs.console.join("\n");
+  }
+
+  async function refreshMetrics() {
+    const m = await api("GET", `${path}/metrics`, { signal });
     clear(metrics).append(
       h("dt", {}, "CPU"), h("dd", {}, m.cpu_seconds == null ? "-" : `${m.cpu_seconds.toFixed(1)} s`),
       h("dt", {}, "memory"), h("dd", {}, bytes(m.memory_bytes ?? m.rss_bytes)),
@@ -52,14 +57,22 @@ export async function sandboxView(main, { signal, feed, args: [id] }) {
       h("dt", {}, "snapshot"), h("dd", {}, bytes(m.snapshot_bytes)));
   }
 
+  let pending = null;  // one refresh for a burst of transitions
+  const soon = () => {
+    clearTimeout(pending);
+    pending = setTimeout(() => refresh().catch(() => {}), 300);
+  };
   feed.addEventListener("transition", (ev) => {
     const t = ev.detail;
     if (t.sandbox_id !== sb.id) return;
     state.replaceChildren(stateBadge(t.to));
-    events.prepend(eventRow(t));
     if (t.to === "destroyed") toast("this sandbox was deleted", "info");
+    else soon();
   }, { signal });
-  feed.addEventListener("reload", () => refresh().catch(() => {}), { signal });
+  feed.addEventListener("reload", soon, { signal });
+  // CPU and memory move while it runs; reading them never wakes it.
+  const timer = setInterval(() => refreshMetrics().catch(() => {}), 5000);
+  signal.addEventListener("abort", () => { clearInterval(timer); clearTimeout(pending); });
   await refresh();
 }
 
