@@ -104,9 +104,10 @@ async def terminal(request: web.Request) -> web.StreamResponse:
 
 def _refuse_guest_origin(request: web.Request) -> None:
     """A page served by a guest app (any preview or session host) never opens a terminal.
-    Browsers cannot attach an API key to a WebSocket, so this is defence in depth: it holds
-    even if a key ever leaks into such a page. Other Origins are allowed (a UI's backend
-    proxying the socket passes its browser's Origin on)."""
+    Such a page cannot know a key (the dashboard offers its key as a subprotocol, which only
+    its own script can), so this is defence in depth: it holds even if a key ever leaks
+    into such a page. Other Origins are allowed (a UI's backend proxying the socket passes
+    its browser's Origin on)."""
     hosts = request.config_dict.get(HOSTS_KEY)
     if hosts is not None and browser_rules.from_guest_page(
             request.headers.getall("Origin", []), lambda h: hosts.classify(h) is not None):
