@@ -44,17 +44,24 @@ async def events(request: web.Request) -> web.StreamResponse:
             "Content-Type": "text/event-stream", "Cache-Control": "no-store",
             "X-Accel-Buffering": "no"})
         await resp.prepare(request)
-        await resp.write(b"retry: 3000\nevent: ready\ndata: {}\n\n")
-        while True:
-            item = await _next(sub)
-            if item is None:
-                break
-            await resp.write(encode(item) if isinstance(item, Transition) else b": ping\n\n")
-        if sub.dropped:
-            await resp.write(b"event: dropped\ndata: {}\n\n")
+        try:
+            await _pump(resp, sub)
+        except ConnectionResetError:  # the client left while we wrote to it
+            pass
         return resp
     finally:  # also when the client left (the handler is cancelled)
         sub.close()
+
+
+async def _pump(resp: web.StreamResponse, sub: Subscription) -> None:
+    await resp.write(b"retry: 3000\nevent: ready\ndata: {}\n\n")
+    while True:
+        item = await _next(sub)
+        if item is None:
+            break
+        await resp.write(encode(item) if isinstance(item, Transition) else b": ping\n\n")
+    if sub.dropped:
+        await resp.write(b"event: dropped\ndata: {}\n\n")
 
 
 async def _next(sub: Subscription) -> Transition | EllipsisType | None:

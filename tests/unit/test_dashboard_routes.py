@@ -235,3 +235,35 @@ async def test_the_subprotocol_key_is_checked_and_only_for_the_terminal(ws_app, 
                     "Sec-WebSocket-Version": "13", "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="}
     resp = await client.get(path, headers=headers)
     assert resp.status == 401
+
+
+async def test_a_client_leaving_ends_its_stream_quietly(tmp_path, monkeypatch, caplog):
+    """The next write (here a heartbeat) finds the connection gone: the handler returns,
+    frees its subscription, and nothing is logged as an error. (A server without handler
+    cancellation, so the write, not a cancel, is what meets the closed connection.)"""
+    import aiohttp
+
+    monkeypatch.setattr(events_routes, "HEARTBEAT", 0.01)
+    app, registry, admin = dashboard_env.build(tmp_path)
+    runner = web.AppRunner(app, handler_cancellation=False)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    feed = app[events_routes.FEED_KEY]
+    try:
+        async with aiohttp.ClientSession() as session:
+            resp = await session.get(f"http://127.0.0.1:{port}/v1/events",
+                                     headers={"Authorization": f"Bearer {admin}"})
+            await _read_events(resp, 1)
+            resp.close()
+        for _ in range(200):
+            if len(feed) == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert len(feed) == 0
+        await asyncio.sleep(0.05)
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    finally:
+        await runner.cleanup()
+        registry.close()
