@@ -39,6 +39,19 @@ async def test_dashboard_in_a_browser(served, aiohttp_client):
         assert await page.evaluate("window.__pwned") is None
         await shot(page, "unit-sandboxes")
 
+        # an admin sees every key's sandboxes: another key's appears too, live, with its key,
+        # and only what the API lets an admin do to it (delete)
+        _, alice = registry.create_key("alice")
+        async with aiohttp.ClientSession(base, headers={"Authorization": f"Bearer {alice}"}) as a:
+            theirs = await (await a.post("/v1/sandboxes", json={"metadata": {"who": "a"}})).json()
+        their_row = f'tr[data-id="{theirs["id"]}"]'
+        await page.wait_for_selector(f"{their_row} .state[data-state=running]")
+        assert await page.text_content(f"{their_row} td.key-cell") == "alice"
+        assert await page.locator(f"{their_row} button.act-suspend").count() == 0
+        await page.select_option("#tenant", "")  # this key only
+        await page.wait_for_selector(their_row, state="detached")
+        assert await page.locator(row).count() == 1
+
         await page.click(f"{row} button.act-suspend")
         await page.wait_for_selector(f"{row} .state[data-state=suspended]")
         await api.post(f"/v1/sandboxes/{created['id']}/resume")  # a change made elsewhere

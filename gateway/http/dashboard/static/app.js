@@ -16,7 +16,7 @@ let viewAbort = null;
 
 const ROUTES = [
   [/^#\/sandboxes$/, () => sandboxesView],
-  [/^#\/sandbox\/([A-Za-z0-9_-]+)$/, () => sandboxView],
+  [/^#\/sandbox\/([A-Za-z0-9_-]+)(?:\?tenant=([A-Za-z0-9_-]+))?$/, () => sandboxView],
   [/^#\/templates$/, () => templatesView],
   [/^#\/keys$/, () => keysView],
   [/^#\/usage$/, () => usageView],

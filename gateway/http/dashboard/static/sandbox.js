@@ -5,9 +5,12 @@ import { act, bytes, clear, h, metadataText, stateBadge, toast, when } from "./d
 import { terminalPanel } from "./terminal.js";
 import { filesPanel } from "./files.js";
 
-export async function sandboxView(main, { signal, feed, args: [id] }) {
+// tenant: another key's id when an admin looks at that key's sandbox: it can see it and
+// delete it; suspend, wake, the terminal and files are the owner's (the API's rule).
+export async function sandboxView(main, { signal, feed, args: [id, tenant] }) {
   const path = `/v1/sandboxes/${encodeURIComponent(id)}`;
-  const sb = await api("GET", path, { signal });
+  const tq = tenant ? `tenant=${encodeURIComponent(tenant)}` : "";
+  const sb = await api("GET", tq ? `${path}?${tq}` : path, { signal });
   const state = h("span", { id: "sandbox-state" }, stateBadge(sb.state));
   const failure = h("p", { class: "failure", id: "failure" },
                     sb.failure ? `failure: ${sb.failure}` : "");
@@ -16,40 +19,43 @@ export async function sandboxView(main, { signal, feed, args: [id] }) {
   const metrics = h("dl", { class: "metrics", id: "metrics" });
   const button = (label, fn) => h("button", { type: "button",
     onclick: (ev) => act(ev.currentTarget, fn) }, label);
+  const own = !tenant;
   main.append(
     h("h2", {}, "Sandbox ", h("code", {}, sb.id), " ", state),
     h("p", {}, `template ${sb.template}; created ${when(sb.created_at)}; `
                + `${sb.vcpus ?? "?"} vCPU, ${sb.memory_mib ?? "?"} MiB RAM, `
-               + `${sb.disk_mib ?? "?"} MiB disk`),
+               + `${sb.disk_mib ?? "?"} MiB disk` + (tenant ? `; key ${tenant}` : "")),
     h("p", { class: "metadata" }, "metadata: ", metadataText(sb.metadata) || "none"),
     failure,
     h("div", { class: "actions" },
-      button("Suspend", () => api("POST", `${path}/suspend`)),
-      button("Wake", () => api("POST", `${path}/resume`)),
+      own ? button("Suspend", () => api("POST", `${path}/suspend`)) : null,
+      own ? button("Wake", () => api("POST", `${path}/resume`)) : null,
       button("Delete", async () => {
         if (!confirm(`Delete sandbox ${sb.id}?`)) return;
-        await api("DELETE", path);
+        await api("DELETE", tq ? `${path}?${tq}` : path);
         location.hash = "#/sandboxes";
       })),
     h("section", {}, h("h3", {}, "Resources"), metrics, button("Refresh", () => refresh())),
-    previewSection(sb),
-    h("section", {}, h("h3", {}, "Terminal"), terminalPanel(sb.id, signal)),
-    h("section", {}, h("h3", {}, "Files"), filesPanel(sb.id, signal)),
+    own ? previewSection(sb) : null,
+    own ? h("section", {}, h("h3", {}, "Terminal"), terminalPanel(sb.id, signal)) : null,
+    own ? h("section", {}, h("h3", {}, "Files"), filesPanel(sb.id, signal)) : null,
     h("section", {}, h("h3", {}, "Transitions"),
       h("table", { class: "grid" }, h("thead", {}, h("tr", {},
         ["at", "from", "to", "event", "cause"].map((t) => h("th", {}, t)))), events)),
     h("section", {}, h("h3", {}, "Console (tail)"), consoleTail));
+  const q = (extra) => `?${[extra, tq].filter(Boolean).join("&")}`;
 
   async function refresh() {
-    const [logs, now] = await Promise.all([api("GET", `${path}/logs?tail=200`, { signal }),
-                                           api("GET", path, { signal }), refreshMetrics()]);
+    const [logs, now] = await Promise.all([api("GET", `${path}/logs${q("tail=200")}`, { signal }),
+                                           api("GET", `${path}${q("")}`, { signal }),
+                                           refreshMetrics()]);
     failure.textContent = now.failure ? `failure: ${now.failure}` : "";
     clear(events).append(...logs.events.map((e) => eventRow(e)).reverse());
     consoleTail.textContent = logs.console.join("\n");
   }
 
   async function refreshMetrics() {
-    const m = await api("GET", `${path}/metrics`, { signal });
+    const m = await api("GET", `${path}/metrics${q("")}`, { signal });
     clear(metrics).append(
       h("dt", {}, "CPU"), h("dd", {}, m.cpu_seconds == null ? "-" : `${m.cpu_seconds.toFixed(1)} s`),
       h("dt", {}, "memory"), h("dd", {}, bytes(m.memory_bytes ?? m.rss_bytes)),

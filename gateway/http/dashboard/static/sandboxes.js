@@ -1,52 +1,89 @@
 // The sandboxes page: filter, page, act (suspend, wake, delete), create; rows follow the
-// live feed without a reload.
+// live feed without a reload. An admin key sees every key's sandboxes by default ("all
+// keys": one listing per key, merged; paging is per key there) or picks one key.
 import { api, session } from "./api.js";
 import { act, age, clear, h, metadataText, stateBadge, toast } from "./dom.js";
 
 const STATES = ["", "running", "paused", "suspended", "failed", "creating", "restoring",
                 "suspending"];
 const PAGE = 25;
+const MAX_KEYS = 50;  // "all keys" lists at most this many keys' sandboxes
 
 function shape(sb) {
   return sb.vcpus ? `${sb.vcpus} vCPU, ${sb.memory_mib} MiB, ${sb.disk_mib} MiB disk` : "-";
 }
 
-function tenantQuery(tenant) {
-  return tenant ? `tenant=${encodeURIComponent(tenant)}` : "";
-}
-
 export async function sandboxesView(main, { signal, feed }) {
-  const filters = { state: "", template: "", metadata: "", tenant: "" };
+  const filters = { state: "", template: "", metadata: "", tenant: session.admin ? "*" : "" };
   let cursors = [null];  // the cursor of each page shown so far
+  let keys = null;  // admin: every key, for "all keys" and the key column
   const body = h("tbody", { id: "sandbox-rows" });
   const pager = h("div", { class: "pager" });
+  const note = h("p", { class: "note", id: "sandboxes-note" });
   const form = filterForm(filters, () => { cursors = [null]; load(); });
+  const heads = ["id", "state", "template", "shape", "age", "last activity", "metadata", ""];
+  if (session.admin) heads.splice(1, 0, "key");
   main.append(h("h2", {}, "Sandboxes"), createForm(() => load()), form,
     h("table", { class: "grid", id: "sandboxes" },
-      h("thead", {}, h("tr", {}, ["id", "state", "template", "shape", "age", "last activity",
-                                  "metadata", ""].map((t) => h("th", {}, t)))),
-      body), pager);
-  if (session.admin) addTenantPicker(form, filters, () => { cursors = [null]; load(); });
+      h("thead", {}, h("tr", {}, heads.map((t) => h("th", {}, t)))), body), pager, note);
+  let picker = null;
+  async function loadKeys() {  // again at each "all keys" load: keys come and go
+    keys = (await api("GET", "/v1/keys?revoked=1", { signal })).keys;
+    const fresh = tenantPicker(keys, filters, () => { cursors = [null]; load(); });
+    if (picker) picker.replaceWith(fresh);
+    else form.prepend(fresh);
+    picker = fresh;
+  }
+  if (session.admin) await loadKeys();
 
-  async function load() {
+  function query(tenant, cursor) {
     const q = new URLSearchParams({ limit: PAGE });
     if (filters.state) q.set("state", filters.state);
     if (filters.template) q.set("template", filters.template);
-    for (const pair of filters.metadata.split(",").map((s) => s.trim()).filter(Boolean)) {
+    for (const pair of filters.metadata.split(",").map((p) => p.trim()).filter(Boolean)) {
       const eq = pair.indexOf("=");
       if (eq > 0) q.set(`metadata.${pair.slice(0, eq)}`, pair.slice(eq + 1));
     }
-    if (filters.tenant) q.set("tenant", filters.tenant);
-    const cursor = cursors[cursors.length - 1];
+    if (tenant) q.set("tenant", tenant);
     if (cursor) q.set("cursor", cursor);
-    const page = await api("GET", `/v1/sandboxes?${q}`, { signal });
-    clear(body).append(...page.sandboxes.map((sb) => row(sb, filters.tenant, load)));
-    if (!page.sandboxes.length) body.append(h("tr", {}, h("td", { colspan: 8 }, "none")));
+    return `/v1/sandboxes?${q}`;
+  }
+
+  // [{sb, key}] of every key (key null: the signed-in key's own, which can do everything).
+  async function everyKey() {
+    await loadKeys();
+    const own = await api("GET", query("", null), { signal });
+    const mine = new Set(own.sandboxes.map((sb) => sb.id));
+    const pages = await Promise.all(keys.slice(0, MAX_KEYS).map((k) =>
+      api("GET", query(k.id, null), { signal }).then((p) => ({ k, p }))));
+    const rows = own.sandboxes.map((sb) => ({ sb, key: null }));
+    for (const { k, p } of pages) {
+      rows.push(...p.sandboxes.filter((sb) => !mine.has(sb.id)).map((sb) => ({ sb, key: k })));
+    }
+    const more = own.next_cursor || pages.some(({ p }) => p.next_cursor);
+    note.textContent = (more ? `Showing the first ${PAGE} of each key's; pick a key to page. ` : "")
+      + (keys.length > MAX_KEYS ? `Only the first ${MAX_KEYS} keys are listed.` : "");
+    return rows.sort((a, b) => a.sb.created_at - b.sb.created_at);
+  }
+
+  async function load() {
+    let rows, next = null;
+    if (filters.tenant === "*") {
+      rows = await everyKey();
+    } else {
+      const page = await api("GET", query(filters.tenant, cursors[cursors.length - 1]), { signal });
+      const key = keys?.find((k) => k.id === filters.tenant) ?? null;
+      rows = page.sandboxes.map((sb) => ({ sb, key }));
+      next = page.next_cursor;
+      note.textContent = "";
+    }
+    clear(body).append(...rows.map(({ sb, key }) => row(sb, key, session.admin, load)));
+    if (!rows.length) body.append(h("tr", {}, h("td", { colspan: heads.length }, "none")));
     clear(pager).append(
       h("button", { type: "button", disabled: cursors.length < 2,
                     onclick: () => { cursors.pop(); load(); } }, "Previous"),
-      h("button", { type: "button", disabled: !page.next_cursor,
-                    onclick: () => { cursors.push(page.next_cursor); load(); } }, "Next"));
+      h("button", { type: "button", disabled: !next,
+                    onclick: () => { cursors.push(next); load(); } }, "Next"));
   }
 
   const onTransition = (ev) => {
@@ -66,13 +103,17 @@ export async function sandboxesView(main, { signal, feed }) {
   await load();
 }
 
-function row(sb, tenant, reload) {
-  const tq = tenantQuery(tenant);
+// key: the owning key's record when an admin looks at another key's sandbox (null: the
+// signed-in key's own). Suspend and wake act only on the key's own sandboxes (the API's
+// rule); an admin may delete any.
+function row(sb, key, showKey, reload) {
+  const tq = key ? `?tenant=${encodeURIComponent(key.id)}` : "";
   const path = `/v1/sandboxes/${encodeURIComponent(sb.id)}`;
   const button = (label, fn) => h("button", { type: "button", class: `act-${label.toLowerCase()}`,
     onclick: (ev) => act(ev.currentTarget, fn) }, label);
   return h("tr", { dataset: { id: sb.id } },
-    h("td", {}, h("a", { href: `#/sandbox/${encodeURIComponent(sb.id)}` }, sb.id)),
+    h("td", {}, h("a", { href: `#/sandbox/${encodeURIComponent(sb.id)}${tq}` }, sb.id)),
+    showKey ? h("td", { class: "key-cell" }, key ? key.name : "(this key)") : null,
     h("td", { class: "state-cell" }, stateBadge(sb.state)),
     h("td", {}, sb.template),
     h("td", {}, shape(sb)),
@@ -80,11 +121,11 @@ function row(sb, tenant, reload) {
     h("td", { class: "activity-cell" }, age(sb.last_activity)),
     h("td", { class: "metadata" }, metadataText(sb.metadata)),
     h("td", { class: "actions" },
-      button("Suspend", () => api("POST", `${path}/suspend`)),
-      button("Wake", () => api("POST", `${path}/resume`)),
+      key ? null : button("Suspend", () => api("POST", `${path}/suspend`)),
+      key ? null : button("Wake", () => api("POST", `${path}/resume`)),
       button("Delete", async () => {
         if (!confirm(`Delete sandbox ${sb.id}?`)) return;
-        await api("DELETE", `${path}${tq ? "?" + tq : ""}`);
+        await api("DELETE", `${path}${tq}`);
         toast(`deleted ${sb.id}`, "info");
         reload();
       })));
@@ -105,13 +146,15 @@ function filterForm(filters, apply) {
   return form;
 }
 
-async function addTenantPicker(form, filters, apply) {
-  const { keys } = await api("GET", "/v1/keys?revoked=1");
-  const pick = h("select", { name: "tenant", title: "whose sandboxes (admin)" },
+function tenantPicker(keys, filters, apply) {
+  const pick = h("select", { name: "tenant", id: "tenant", title: "whose sandboxes (admin)" },
+    h("option", { value: "*" }, "all keys"),
     h("option", { value: "" }, "this key"),
-    keys.map((k) => h("option", { value: k.id }, `${k.name} (${k.id})${k.revoked ? " revoked" : ""}`)));
+    keys.map((k) => h("option", { value: k.id },
+                      `${k.name} (${k.id})${k.revoked ? " revoked" : ""}`)));
+  pick.value = filters.tenant;
   pick.addEventListener("change", () => { filters.tenant = pick.value; apply(); });
-  form.prepend(pick);
+  return pick;
 }
 
 function createForm(done) {
