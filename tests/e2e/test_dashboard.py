@@ -51,6 +51,11 @@ async def test_dashboard_end_to_end(daemon, api, tmp_path):
             await page.wait_for_function(
                 "() => document.querySelector('#terminal').textContent.includes('dash42board')",
                 timeout=60_000)
+            await page.keyboard.type("stty size")  # the page sized the terminal to fit
+            await page.keyboard.press("Enter")
+            await page.wait_for_function(
+                "() => /\\n30 \\d+\\n/.test(document.querySelector('#terminal').textContent)",
+                timeout=60_000)
 
             payload = b"uploaded from the dashboard\n" * 100
             await page.fill("#files-dir", "/tmp")

@@ -51,7 +51,7 @@ export async function sandboxView(main, { signal, feed, args: [id, tenant] }) {
                                            refreshMetrics()]);
     failure.textContent = now.failure ? `failure: ${now.failure}` : "";
     clear(events).append(...logs.events.map((e) => eventRow(e)).reverse());
-    consoleTail.textContent = logs.console.join("\n");
+    consoleTail.textContent = logs.console.join("\n") || "(no console output)";
   }
 
   async function refreshMetrics() {

@@ -1,73 +1,24 @@
 // A terminal in the page over GET /v1/sandboxes/{id}/terminal (a WebSocket). Browsers
 // cannot set headers on a WebSocket, so the key goes as a subprotocol
 // ("agentbox.key.KEY", beside "agentbox.terminal", which the server answers): a header,
-// never the URL. The screen is a small line-based emulator: text, CR/LF, backspace and the
-// cursor/erase sequences a shell's line editor uses; other escape sequences are dropped.
+// never the URL. The screen is screen.js (a small VT100/xterm emulator, text only).
 import { session } from "./api.js";
 import { h } from "./dom.js";
+import { Screen } from "./screen.js";
 
-const COLS = 100, ROWS = 30, KEEP = 2000;
+const ROWS = 30;
 const KEYS = { Enter: "\r", Backspace: "\x7f", Tab: "\t", Escape: "\x1b", ArrowUp: "\x1b[A",
                ArrowDown: "\x1b[B", ArrowRight: "\x1b[C", ArrowLeft: "\x1b[D", Home: "\x1b[H",
-               End: "\x1b[F", Delete: "\x1b[3~" };
+               End: "\x1b[F", Delete: "\x1b[3~", PageUp: "\x1b[5~", PageDown: "\x1b[6~" };
 
-export class Screen {
-  constructor(el) {
-    this.el = el;
-    this.lines = [""];
-    this.col = 0;
-    this.pending = "";  // an escape sequence split across frames
-  }
-
-  write(text) {
-    let s = this.pending + text;
-    this.pending = "";
-    for (let i = 0; i < s.length; i++) {
-      const c = s[i];
-      if (c === "\x1b") {
-        const end = this.escape(s, i);
-        if (end < 0) { this.pending = s.slice(i); break; }
-        i = end;
-      } else if (c === "\n") {
-        this.lines.push("");
-        this.col = 0;
-      } else if (c === "\r") this.col = 0;
-      else if (c === "\b") this.col = Math.max(0, this.col - 1);
-      else if (c >= " " || c === "\t") this.put(c);
-    }
-    if (this.lines.length > KEEP) this.lines.splice(0, this.lines.length - KEEP);
-    this.el.textContent = this.lines.join("\n");
-    this.el.scrollTop = this.el.scrollHeight;
-  }
-
-  put(c) {
-    const line = this.lines[this.lines.length - 1].padEnd(this.col);
-    this.lines[this.lines.length - 1] = line.slice(0, this.col) + c + line.slice(this.col + 1);
-    this.col++;
-  }
-
-  // Handle the sequence at s[i] (ESC); the index of its last char, -1 if incomplete.
-  escape(s, i) {
-    if (i + 1 >= s.length) return -1;
-    if (s[i + 1] === "]") {  // OSC ... BEL or ST (a window title): dropped
-      for (let j = i + 2; j < s.length; j++) {
-        if (s[j] === "\x07") return j;
-        if (s[j] === "\x1b" && s[j + 1] === "\\") return j + 1;
-      }
-      return -1;
-    }
-    if (s[i + 1] !== "[") return i + 1;
-    let j = i + 2;
-    while (j < s.length && !(s[j] >= "@" && s[j] <= "~")) j++;
-    if (j >= s.length) return -1;
-    const n = parseInt(s.slice(i + 2, j), 10) || 1;
-    const line = this.lines[this.lines.length - 1];
-    if (s[j] === "K") this.lines[this.lines.length - 1] = line.slice(0, this.col);
-    else if (s[j] === "C") this.col += n;
-    else if (s[j] === "D") this.col = Math.max(0, this.col - n);
-    else if (s[j] === "J" && s.slice(i + 2, j) === "2") { this.lines = [""]; this.col = 0; }
-    return j;
-  }
+// Columns that fit the <pre> (its width over one character's).
+function columns(pre) {
+  const probe = h("span", {}, "MMMMMMMMMM");
+  pre.append(probe);
+  const width = probe.getBoundingClientRect().width / 10;
+  probe.remove();
+  const inner = pre.clientWidth - 16;  // its padding
+  return Math.max(20, Math.min(500, Math.floor(inner / (width || 8))));
 }
 
 function keyBytes(ev) {
@@ -87,13 +38,15 @@ export function terminalPanel(id, signal) {
   let ws = null;
   const encoder = new TextEncoder();
   const send = (text) => ws?.readyState === WebSocket.OPEN && ws.send(encoder.encode(text));
+  let term = null;
   open.addEventListener("click", () => {
     if (ws) ws.close();
-    const term = new Screen(screen);
+    const cols = columns(screen);
+    term = new Screen(ROWS, cols);
     const decoder = new TextDecoder();
     const scheme = location.protocol === "https:" ? "wss:" : "ws:";
     ws = new WebSocket(`${scheme}//${location.host}/v1/sandboxes/${encodeURIComponent(id)}`
-                       + `/terminal?cols=${COLS}&rows=${ROWS}`,
+                       + `/terminal?cols=${cols}&rows=${ROWS}`,
                        ["agentbox.terminal", `agentbox.key.${session.key}`]);
     ws.binaryType = "arraybuffer";
     status.textContent = "connecting";
@@ -105,6 +58,7 @@ export function terminalPanel(id, signal) {
         return;
       }
       term.write(decoder.decode(ev.data, { stream: true }));
+      term.render(screen);
     };
     ws.onclose = (ev) => {
       if (status.textContent === "open" || status.textContent === "connecting") {
@@ -122,6 +76,18 @@ export function terminalPanel(id, signal) {
     ev.preventDefault();
     send(ev.clipboardData.getData("text"));
   });
+  let resizing = null;  // the window changed size: fit the columns, tell the shell
+  window.addEventListener("resize", () => {
+    clearTimeout(resizing);
+    resizing = setTimeout(() => {
+      if (!term || ws?.readyState !== WebSocket.OPEN) return;
+      const cols = columns(screen);
+      if (cols === term.cols) return;
+      term.resize(ROWS, cols);
+      term.render(screen);
+      ws.send(JSON.stringify({ type: "resize", cols, rows: ROWS }));
+    }, 200);
+  }, { signal });
   signal.addEventListener("abort", () => ws?.close());
   return h("div", { class: "term" }, h("div", {}, open, " ", status), screen);
 }
