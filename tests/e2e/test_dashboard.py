@@ -75,6 +75,7 @@ async def test_dashboard_end_to_end(daemon, api, tmp_path):
 
             assert await page.evaluate("window.__pwned") is None
             assert not [u for u in watch.urls if daemon.admin_key in u]
+            assert daemon.admin_key not in daemon.log_tail(100_000)  # nor in the daemon's log
             assert not watch.errors, (watch.errors, watch.failed)
     finally:
         for sid in created:

@@ -6,6 +6,8 @@ value is shown as text and never runs, the key never appears in a URL, the CSP h
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tests.browser import browser_page, shot, sign_in
@@ -71,7 +73,16 @@ async def test_dashboard_in_a_browser(served, aiohttp_client):
         await page.fill("form.create input[name=name]", "from-the-page")
         await page.click("form.create button[type=submit]")
         await page.wait_for_selector("#new-secret:has-text('ab_')")
-        assert "from-the-page" in [k.name for k in registry.list_keys()]
+        (made,) = [k for k in registry.list_keys() if k.name == "from-the-page"]
+        key_row = f'#keys tr[data-id="{made.id}"]'
+        await page.fill(f"{key_row} input[name=max_sandboxes]", "3")
+        await page.click(f"{key_row} button:has-text('Save limits')")
+        await page.wait_for_selector("#toast.info:has-text('limits of from-the-page saved')")
+        assert registry.get_key(made.id).limits == {"max_sandboxes": 3}
+        page.once("dialog", lambda d: asyncio.ensure_future(d.accept()))
+        await page.click(f"{key_row} button.danger")
+        await page.wait_for_selector(key_row, state="detached")
+        assert registry.get_key(made.id).revoked
         await page.click("a[href='#/usage']")
         await page.wait_for_selector("#usage-charts svg.chart")
         await shot(page, "unit-usage")
