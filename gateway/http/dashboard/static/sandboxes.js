@@ -26,8 +26,10 @@ export async function sandboxesView(main, { signal, feed }) {
   main.append(h("h2", {}, "Sandboxes"), createForm(() => load()), form,
     h("table", { class: "grid", id: "sandboxes" },
       h("thead", {}, h("tr", {}, heads.map((t) => h("th", {}, t)))), body), pager, note);
-  let picker = null;
-  async function loadKeys() {  // again at each "all keys" load: keys come and go
+  let picker = null, keysAt = 0;
+  async function loadKeys() {  // again at "all keys" loads (keys come and go), 1/s at most
+    if (Date.now() - keysAt < 1000) return;
+    keysAt = Date.now();
     keys = (await api("GET", "/v1/keys?revoked=1", { signal })).keys;
     const fresh = tenantPicker(keys, filters, () => { cursors = [null]; load(); });
     if (picker) picker.replaceWith(fresh);
@@ -90,7 +92,9 @@ export async function sandboxesView(main, { signal, feed }) {
     const t = ev.detail;
     const tr = body.querySelector(`tr[data-id="${CSS.escape(t.sandbox_id)}"]`);
     if (!tr) {
-      if (t.from === null) load().catch(() => {});  // a new sandbox: it may belong here
+      if (t.from !== null) return;
+      if (keys && !keys.some((k) => k.id === t.tenant)) keysAt = 0;  // a key new to us
+      load().catch(() => {});  // a new sandbox: it may belong here
       return;
     }
     if (t.to === "destroyed") return tr.remove();
