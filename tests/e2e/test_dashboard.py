@@ -80,3 +80,31 @@ async def test_dashboard_end_to_end(daemon, api, tmp_path):
     finally:
         for sid in created:
             await asyncio.to_thread(api.delete, f"/v1/sandboxes/{sid}")
+
+
+@pytest.mark.timeout(900)
+async def test_dashboard_build_log_streams(daemon):
+    """A Dockerfile build started from the templates page: its log streams into the page
+    (step, the RUN's output, the error) and the build's end state is shown. A failing RUN
+    keeps it to one builder boot."""
+    import secrets
+
+    from tests.e2e.test_template_build import context_tar
+
+    nonce = secrets.token_hex(4)
+    tar = context_tar({"Dockerfile": f"FROM python\nRUN echo dash-{nonce} && exit 5\n".encode()})
+    async with browser_page() as (page, watch):
+        await sign_in(page, daemon.url, daemon.admin_key)
+        await page.click("a[href='#/templates']")
+        await page.wait_for_selector("#templates tr[data-name=python]")
+        await page.fill("form.build input[name=name]", f"dash-{nonce}")
+        await page.set_input_files("form.build input[type=file]", files=[{
+            "name": "context.tar", "mimeType": "application/x-tar", "buffer": tar}])
+        await page.click("form.build button[type=submit]")
+        await page.wait_for_selector("#build-log:has-text('== step 1')", timeout=60_000)
+        await page.wait_for_selector(f"#build-log:has-text('dash-{nonce}')", timeout=SLOW)
+        await page.wait_for_selector("#build-state:has-text('failed')", timeout=SLOW)
+        log = await page.text_content("#build-log")
+        assert "error:" in log and "code 5" in log and log.rstrip().endswith("done")
+        await shot(page, "e2e-build")
+        assert not watch.errors, (watch.errors, watch.failed)
