@@ -27,7 +27,7 @@ from gateway.http import (
 from gateway.store import at_rest
 from gateway.sandbox import warm_pool
 from gateway.preview import hosts, terminal
-from gateway.http import control_routes, dashboard, events_routes
+from gateway.http import control_routes, dashboard, events_routes, port_routes
 from gateway.config import Config
 from gateway.http.middleware import (
     REGISTRY_KEY,
@@ -125,6 +125,7 @@ def build_app(config: Config) -> web.Application:
     app.add_routes(key_routes.routes)
     app.add_routes(metrics.routes)
     app.add_routes(terminal.routes)
+    app.add_routes(port_routes.routes)
     app.add_routes(openapi.routes)
     events_routes.setup(app)  # GET /v1/events (fed by the registry in _lifecycle)
     dashboard.setup(app)  # /dashboard: static files, a client of the API above

@@ -151,7 +151,7 @@ def _error_code() -> dict[str, Any]:
 
 _PROTOCOL = (p.ExecRequest, p.ExecResult, p.OutputFile, p.FileInfo, p.DirListing, p.RunCodeRequest,
              p.ExecutionError, p.CreateContextRequest, p.ContextInfo, p.CommandRequest,
-             p.ProcessInfo, p.SignalRequest)
+             p.ProcessInfo, p.SignalRequest, p.PortInfo)
 
 
 def _schemas() -> dict[str, Any]:
@@ -299,6 +299,8 @@ OPS: tuple[Op, ...] = (
        "sandboxes", returns="Sandbox", errors=_SANDBOX_ERRORS),
     Op("GET", "/metrics", "Prometheus metrics (admin key)", "meta", returns="text",
        errors=(403,)),
+    Op("GET", _SB + "/ports", "The TCP ports something listens on in the guest (wakes it)",
+       "preview", returns="PortList", errors=_SANDBOX_ERRORS),
     Op("GET", _SB + "/preview", "A sandbox's preview access (token, public ports)", "preview",
        returns="Preview", errors=(404,)),
     Op("PATCH", _SB + "/preview", "Set the ports served without a preview token", "preview",

@@ -362,6 +362,11 @@ class ContextList:
 
 
 @response
+class PortList:
+    ports: list[p.PortInfo]
+
+
+@response
 class ProcessList:
     commands: list[p.ProcessInfo]
 
@@ -509,5 +514,5 @@ SCHEMAS: tuple[type, ...] = (
     UpdateSandboxRequest, Template, TemplateProgress, Build, BuildResponse, BuildEvent,
     TemplateList, SnapshotRequest, ForkRequest, Health, Info, Preview, UpdatePreviewRequest,
     SessionSpec, Session, SessionList, KeyLimits, KeyLimitsUpdate, CreateKeyRequest,
-    UpdateKeyRequest, Key, KeyList, CreatedKey, Result, ContextList, ProcessList, OutputEvent,
-    RunEvent)
+    UpdateKeyRequest, Key, KeyList, CreatedKey, Result, ContextList, PortList, ProcessList,
+    OutputEvent, RunEvent)

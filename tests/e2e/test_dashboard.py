@@ -11,6 +11,7 @@ import asyncio
 import pytest
 
 from tests.browser import browser_page, shot, sign_in
+from tests.contract import check_answer
 
 pytestmark = pytest.mark.e2e
 
@@ -56,6 +57,25 @@ async def test_dashboard_end_to_end(daemon, api, tmp_path):
             await page.wait_for_function(
                 "() => /\\n30 \\d+\\n/.test(document.querySelector('#terminal').textContent)",
                 timeout=60_000)
+
+            # preview links: a server started in the sandbox is listed, and its link opens it
+            r = await asyncio.to_thread(api.post, f"/v1/sandboxes/{sid}/commands", json={
+                "command": "cd /tmp && exec python3 -m http.server 8123", "background": True})
+            assert r.status_code == 201, r.text
+            ports = await asyncio.to_thread(api.get, f"/v1/sandboxes/{sid}/ports")
+            check_answer("GET", "/v1/sandboxes/{id}/ports", 200, ports.json(),
+                         "application/json")
+            for _ in range(50):
+                await page.click("#ports-list")
+                if await page.locator('#previews li[data-port="8123"]').count():
+                    break
+                await asyncio.sleep(0.5)
+            href = await page.get_attribute('#previews li[data-port="8123"] a', "href")
+            assert "8123-" in href and "token=" in href, href
+            preview = await page.context.new_page()
+            await preview.goto(href)
+            assert "Directory listing" in await preview.content()
+            await preview.close()
 
             payload = b"uploaded from the dashboard\n" * 100
             await page.fill("#files-dir", "/tmp")

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from gateway.config import Config, ServerConfig
 from gateway.http import (control_routes, dashboard, events_routes, info, key_routes,
-                          sandbox_routes, template_routes)
+                          port_routes, sandbox_routes, template_routes)
 from gateway.http.middleware import (REGISTRY_KEY, api_error_middleware, auth_middleware,
                                      error_middleware)
 from gateway.http.ratelimit import LIMITER_KEY, RateLimiter, key_rate_middleware
@@ -66,7 +66,7 @@ def build(tmp_path: Path) -> tuple[web.Application, Registry, str]:
     app[ACCESS_KEY] = AccessStore(registry)
     app[info.SERVER_KEY] = config.server
     for routes in (sandbox_routes.routes, template_routes.routes, key_routes.routes,
-                   info.routes, control_routes.routes):
+                   info.routes, control_routes.routes, port_routes.routes):
         app.add_routes(routes)
     feed = events_routes.setup(app)
     registry.listeners.append(feed.publish)

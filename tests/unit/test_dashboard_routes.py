@@ -267,3 +267,32 @@ async def test_a_client_leaving_ends_its_stream_quietly(tmp_path, monkeypatch, c
     finally:
         await runner.cleanup()
         registry.close()
+
+
+async def test_ports_lists_what_listens_in_the_guest_sorted_and_per_the_spec(env, monkeypatch):
+    """GET /v1/sandboxes/{id}/ports (the dashboard's preview links), guest faked."""
+    from gateway.http import port_routes
+    from guest.protocol import PortInfo
+    from tests.contract import check_answer
+
+    client, registry, admin = env
+    asked = []
+
+    async def fake_list_ports(agent):
+        asked.append(agent)
+        return [PortInfo(8123, ["0.0.0.0"]), PortInfo(3000, ["127.0.0.1"], forwarded=True)]
+
+    monkeypatch.setattr(port_routes, "list_ports", fake_list_ports)
+    sb = await (await client.post("/v1/sandboxes", json={}, headers=admin)).json()
+    service = client.app[dashboard_env.sandbox_routes.SERVICE_KEY]
+    service._controllers[sb["id"]].machine.require_agent = lambda: "the agent"
+    resp = await client.get(f"/v1/sandboxes/{sb['id']}/ports", headers=admin)
+    body = await resp.json()
+    assert resp.status == 200 and asked == ["the agent"]
+    check_answer("GET", "/v1/sandboxes/{id}/ports", 200, body, resp.content_type)
+    assert body == {"ports": [{"port": 3000, "addresses": ["127.0.0.1"], "forwarded": True},
+                              {"port": 8123, "addresses": ["0.0.0.0"], "forwarded": False}]}
+    _, other = registry.create_key("other")
+    resp = await client.get(f"/v1/sandboxes/{sb['id']}/ports",
+                            headers={"Authorization": f"Bearer {other}"})
+    assert resp.status == 404 and len(asked) == 1  # another key's sandbox: never asked

@@ -97,19 +97,30 @@ function previewSection(sb) {
     if (!(sb.public_ports || []).includes(p) && sb.preview_token) {
       url += `${url.includes("?") ? "&" : "?"}token=${encodeURIComponent(sb.preview_token)}`;
     }
-    return h("li", {}, h("a", { href: url, target: "_blank", rel: "noopener noreferrer" },
+    return h("li", { dataset: { port: p } }, h("a", { href: url, target: "_blank",
+                                                     rel: "noopener noreferrer" },
                          `port ${p}`), (sb.public_ports || []).includes(p) ? " (public)" : "");
   };
-  list.append(...(sb.public_ports || []).map(link).filter(Boolean));
-  const form = h("form", {}, port, h("button", { type: "submit" }, "Link"));
+  const shown = new Set();
+  const add = (p) => {
+    if (shown.has(p)) return true;
+    const item = link(p);
+    if (item) { shown.add(p); list.append(item); }
+    return Boolean(item);
+  };
+  (sb.public_ports || []).forEach(add);
+  // Asking the guest wakes it: only on a click.
+  const listen = h("button", { type: "button", id: "ports-list" }, "List listening ports");
+  listen.addEventListener("click", () => act(listen, async () => {
+    const { ports } = await api("GET", `/v1/sandboxes/${encodeURIComponent(sb.id)}/ports`);
+    ports.forEach((p) => add(p.port));
+    if (!ports.length) toast("nothing listens in the sandbox", "info");
+  }));
+  const form = h("form", {}, port, h("button", { type: "submit" }, "Link"), " ", listen);
   form.addEventListener("submit", (ev) => {
     ev.preventDefault();
     const p = Number(port.value);
-    if (p >= 1 && p <= 65535) {
-      const item = link(p);
-      if (item) list.append(item);
-      else toast("this server has no preview URL template");
-    }
+    if (p >= 1 && p <= 65535 && !add(p)) toast("this server has no preview URL template");
   });
   return h("section", {}, h("h3", {}, "Preview links"), list, form);
 }
