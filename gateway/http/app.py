@@ -182,8 +182,9 @@ async def _serve(app: web.Application, config: Config,
     await reconcile(service)
     service.start()
     build_routes.attach(app, config, service)  # Dockerfile builds; built-ins still missing
-    log.info("agentbox ready on http://%s (vmm %s/%s; templates: %s)", config.server.listen,
-             backend.driver_name, backend.accel.value, ", ".join(sorted(goldens)) or "none")
+    log.info("agentbox ready on http://%s, dashboard at /dashboard (vmm %s/%s; templates: %s)",
+             config.server.listen, backend.driver_name, backend.accel.value,
+             ", ".join(sorted(goldens)) or "none")
     try:
         yield
     finally:

@@ -211,7 +211,7 @@ _ANY_METHODS = ("GET", "PUT", "POST", "DELETE", "PATCH", "HEAD", "OPTIONS")
 # Registered routes that are not API endpoints: the preview/session host proxy answers any
 # path on ``{port}-{id}.<preview_domain>`` and ``{name}.<session_domain>`` hosts (a sub-app
 # matched by Host, which OpenAPI cannot express).
-NOT_API_ROUTES = frozenset({("*", "/{tail}"), ("GET", "/dashboard"),
+NOT_API_ROUTES = frozenset({("*", "/{tail}"), ("GET", "/dashboard"), ("GET", "/dashboard/"),
                             ("GET", "/dashboard/{name}")})  # the dashboard's static files
 _TENANT = ("tenant", "admin key only: another key's id (e.g. a revoked key's sandboxes)",
            {"type": "string"})

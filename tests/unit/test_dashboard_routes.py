@@ -51,12 +51,18 @@ async def test_the_page_and_its_files_are_served_without_a_key_under_a_strict_cs
 
 @pytest.mark.parametrize("path", ["/dashboard/nope.js", "/dashboard/..%2Fpyproject.toml",
                                   "/dashboard/../__init__.py", "/dashboard/__init__.py",
-                                  "/dashboard/static", "/dashboard/"])
+                                  "/dashboard/static", "/dashboard/%2e%2e/app.js"])
 async def test_nothing_but_the_listed_files_is_reachable(env, path):
     client, _, _ = env
     resp = await client.get(path)
     assert resp.status in (401, 404), (path, resp.status)
     assert b"import " not in await resp.read()
+
+
+async def test_a_trailing_slash_redirects_to_the_page(env):
+    client, _, _ = env
+    resp = await client.get("/dashboard/", allow_redirects=False)
+    assert resp.status == 302 and resp.headers["Location"] == "/dashboard"
 
 
 def test_every_static_file_is_shipped_in_the_package():

@@ -75,7 +75,12 @@ async def asset(request: web.Request) -> web.Response:
     return _answer(request, request.match_info["name"])
 
 
+async def slash(request: web.Request) -> web.Response:
+    raise web.HTTPFound("/dashboard")
+
+
 def setup(app: web.Application, directory: Path = STATIC_DIR) -> None:
     app[ASSETS_KEY] = load_assets(directory)
     app.router.add_get("/dashboard", index)
+    app.router.add_get("/dashboard/", slash)
     app.router.add_get("/dashboard/{name}", asset)
