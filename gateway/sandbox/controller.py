@@ -26,10 +26,11 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from gateway.sandbox import core as c
 from gateway.sandbox.core import Policy, RestoreFailed, VMLost, WakeTimeout
+from gateway.sandbox.machine_port import MachinePort
 from gateway.errors import ApiError, SandboxNotFound, Unavailable
 from gateway.sandbox.states import State
 from gateway.http.metrics import Metrics
@@ -45,21 +46,6 @@ DRAIN_POLL_S = 0.005
 
 __all__ = ["HoldCounter", "Lease", "RestoreFailed", "SandboxController", "VMLost", "Wake",
            "WakePolicy", "WakeTimeout"]
-
-
-class MachineLike(Protocol):
-    """What the controller needs from ``vmctl.Machine`` (a fake implements it in tests)."""
-
-    async def create(self) -> None: ...
-    async def suspend(self) -> None: ...
-    async def wake(self) -> float: ...
-    async def cold_boot(self) -> float: ...
-    async def abort_suspend(self) -> None: ...
-    async def pause(self) -> None: ...
-    async def unpause(self) -> float: ...
-    async def stop_vmm(self) -> None: ...
-    async def destroy(self) -> None: ...
-    def vmm_record(self) -> Any: ...
 
 
 class HoldCounter:
@@ -101,7 +87,7 @@ class Lease:
 
 
 class SandboxController:
-    def __init__(self, rec: SandboxRecord, machine: MachineLike, registry: Registry,
+    def __init__(self, rec: SandboxRecord, machine: MachinePort, registry: Registry,
                  policy: Policy, holds: HoldCounter,
                  spawn: Callable[[Awaitable[Any], str], asyncio.Task],
                  metrics: Metrics | None = None) -> None:
