@@ -117,6 +117,12 @@ class SandboxController:
         return self.rec.id
 
     @property
+    def record(self) -> SandboxRecord:
+        """The sandbox's current registry row, as of the controller's last write (read-only:
+        only the controller replaces it)."""
+        return self.rec
+
+    @property
     def state(self) -> State:
         return self.core.state
 
