@@ -33,7 +33,7 @@ from gateway.sandbox.core import Policy, RestoreFailed, VMLost, WakeTimeout
 from gateway.sandbox.machine_port import MachinePort
 from gateway.errors import ApiError, SandboxNotFound, Unavailable
 from gateway.sandbox.states import State
-from gateway.http.metrics import Metrics
+from gateway.sandbox.metrics import Metrics
 from gateway.store.registry import Registry, SandboxRecord
 from gateway.sandbox.slots import Slots
 from vmctl.machine import RestoreError

@@ -29,8 +29,9 @@ from gateway.sandbox.controller import HoldCounter, SandboxController, Wake, Wak
 from gateway.builds.builtin import BuiltinBuilds
 from gateway.errors import BadRequest, Conflict, SandboxNotFound, Unavailable
 from gateway.sandbox.states import State
-from gateway.http.metrics import Metrics
+from gateway.sandbox.metrics import Metrics
 from gateway.store.registry import Registry, SandboxRecord
+from gateway.sandbox.disk_usage import tree_bytes
 from gateway.sandbox.egress_policy import policy_of
 from gateway.sandbox.shape_goldens import ShapeGoldens
 from gateway.templates.catalog import TemplateCatalog
@@ -449,27 +450,6 @@ class SandboxService:
         return MachinePlan(vm_id=rec.id, root=Path(rec.root), slot=slot,
                            golden=self.golden_for(rec), disk_mib=rec.disk_mib,
                            egress=policy_of(rec.egress, self.backend.config.network))
-
-
-def tree_bytes(root: Path) -> int:
-    """Bytes allocated to the files under ``root`` that are its own (sparse files count
-    what they use; each inode once). A sandbox's ``vm/`` chroot hard-links its disk's
-    backing chain (the template's files, ``vmctl.confine.mirror_into_chroot``): a file
-    there that has other links is not counted (the sandbox's own disk is, at its root)."""
-    total, seen = 0, set()
-    chroot = os.path.join(root, "vm")
-    for dirpath, _, files in os.walk(root):
-        in_chroot = dirpath == chroot or dirpath.startswith(chroot + os.sep)
-        for name in files:
-            try:  # a file removed while we walk
-                st = os.lstat(os.path.join(dirpath, name))
-            except OSError:
-                continue
-            if st.st_ino in seen or (in_chroot and st.st_nlink > 1):
-                continue
-            seen.add(st.st_ino)
-            total += st.st_blocks * 512
-    return total
 
 
 def parse_metadata(value: Any) -> dict[str, Any] | None:
