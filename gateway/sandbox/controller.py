@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +133,42 @@ class SandboxController:
     @property
     def active(self) -> int:
         return self.core.active
+
+    # Read-only facts of the core, for the service and the warm pool (they never touch it).
+
+    @property
+    def serving(self) -> bool:
+        """RUNNING with no operation under way: a request is admitted at once."""
+        return self.core.serving
+
+    @property
+    def is_idle_paused(self) -> bool:
+        """PAUSED with no operation under way: claimable, or a snapshot may start."""
+        return self.core.is_idle_paused
+
+    @property
+    def paused_since(self) -> float:
+        """When (monotonic) the current pause began."""
+        return self.core.paused_since
+
+    @property
+    def vmm_pid(self) -> int | None:
+        """The VMM the controller watches (None: none, or not its own)."""
+        return self.core.vmm_pid
+
+    def busy_with(self, ops: Collection[c.Op]) -> bool:
+        """One of ``ops`` is under way."""
+        return self.core.op in ops
+
+    def refresh_record(self) -> SandboxRecord:
+        """Re-read the registry row after someone else changed it (a PATCH, a pool claim)."""
+        self.rec = self.registry.get(self.id) or self.rec
+        return self.rec
+
+    def tell(self, event: object) -> list[c.Command]:
+        """Hand the core an event (start-up recovery's), execute what needs no waiting and
+        return the rest for the caller."""
+        return self._run(self.core.handle(event))
 
     # -- requests -------------------------------------------------------------------
 

@@ -431,6 +431,12 @@ class SandboxCore:
         """RUNNING with no operation under way: a request is admitted at once."""
         return self.state is S.RUNNING and self.op is None
 
+    @property
+    def is_idle_paused(self) -> bool:
+        """PAUSED with no operation under way (no stop, continue or snapshot in flight): a
+        request unpauses it, a claim takes it, a suspend may start from it."""
+        return self.state is S.PAUSED and self.op is None
+
     def idle_for(self, now: float) -> float:
         return 0.0 if self.active or self.entering else max(0.0, now - self.idle_since)
 
@@ -467,7 +473,7 @@ class SandboxCore:
         cmds: list[Command] = []
         if st in (S.SUSPENDED, S.FAILED) and self.op is None:
             cmds += self._begin_restore("woken by a request")
-        elif st is S.PAUSED and self.op is None:
+        elif self.is_idle_paused:
             cmds += self._begin_unpause("woken by a request")
         elif st is S.SUSPENDING:
             self.cancel_suspend = True
@@ -498,7 +504,7 @@ class SandboxCore:
             and self.idle_for(now) >= timeout
 
     def _on_IdleTick(self, ev: IdleTick) -> list[Command]:
-        if self.state is S.PAUSED and self.op is None and not self.entering and ev.timeout > 0 \
+        if self.is_idle_paused and not self.entering and ev.timeout > 0 \
                 and ev.now - self.paused_since >= self.policy.suspend_after_pause:
             return self._begin_suspend(f"paused for {self.policy.suspend_after_pause:g}s")
         return [ProbeGuest()] if self._idle(ev.now, ev.timeout) else []

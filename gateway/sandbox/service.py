@@ -133,7 +133,7 @@ class SandboxService:
         ctl = self.controller(rec)
         # The creation runs detached: a client that disconnects does not leave a half-made VM.
         await ctl.create()
-        return ctl.rec
+        return ctl.record
 
     def resolve_template(self, tenant: str, name: str) -> tuple[str, Golden]:
         """The template ``name`` means for ``tenant`` (an alias is its built-in's name; no
@@ -224,9 +224,7 @@ class SandboxService:
             changes["metadata"] = metadata
         if changes:
             self.registry.update(rec.id, **changes)
-        ctl = self.controller(self.registry.get(rec.id) or rec)
-        ctl.rec = self.registry.get(rec.id) or rec
-        return ctl.rec
+        return self.controller(self.registry.get(rec.id) or rec).refresh_record()
 
     # -- using a sandbox ---------------------------------------------------------------
 
@@ -256,19 +254,19 @@ class SandboxService:
         """The controller of a sandbox that is RUNNING with no operation under way, if it
         has one (``gateway.preview.fastlane``: no registry read; anything else takes ``use()``)."""
         ctl = self._controllers.get(sandbox_id)
-        return ctl if ctl is not None and ctl.core.serving else None
+        return ctl if ctl is not None and ctl.serving else None
 
     async def suspend(self, tenant: str, sandbox_id: str) -> SandboxRecord:
         ctl = self.controller(self.get(tenant, sandbox_id))
         if ctl.state is State.SUSPENDED:
-            return ctl.rec
+            return ctl.record
         await ctl.wait_op()
         op = ctl.start_suspend("requested by API")
         await asyncio.shield(op)
         if ctl.state is not State.SUSPENDED:
             raise Conflict(f"suspend of {sandbox_id} was cancelled by a request",
                            code="suspend_cancelled")
-        return ctl.rec
+        return ctl.record
 
     async def resume(self, tenant: str, sandbox_id: str) -> SandboxRecord:
         async with self.use(tenant, sandbox_id):
@@ -315,10 +313,9 @@ class SandboxService:
     # -- paused sandboxes (gateway.sandbox.pause_policy decides; this measures and acts) -----------
 
     def _paused(self) -> list[pause_policy.PausedSandbox]:
-        return [pause_policy.PausedSandbox(ctl.id, ctl.rec.tenant, ctl.core.paused_since)
+        return [pause_policy.PausedSandbox(ctl.id, ctl.record.tenant, ctl.paused_since)
                 for ctl in self._controllers.values()
-                if ctl.state is State.PAUSED and ctl.core.op is None
-                and ctl.rec.tenant != warm_pool.POOL_TENANT]
+                if ctl.is_idle_paused and ctl.record.tenant != warm_pool.POOL_TENANT]
 
     def _relieve_pressure(self) -> None:
         """Snapshot one paused sandbox per scan while the host needs its memory."""
@@ -349,15 +346,15 @@ class SandboxService:
             # operation under way (its VM stopping, or its snapshot): wait for it, then
             # look again (bounded by the machine's own timeouts).
             pausing = next((ctl for ctl in self._controllers.values()
-                            if ctl.rec.tenant == tenant and ctl.state is State.PAUSED
-                            and ctl.core.op is not None), None)
+                            if ctl.record.tenant == tenant and ctl.state is State.PAUSED
+                            and not ctl.is_idle_paused), None)
             if pausing is None:
                 return
             with contextlib.suppress(Exception):
                 await pausing.wait_op()
 
     async def _suspend_paused(self, ctl: SandboxController, cause: str) -> None:
-        if ctl.state is not State.PAUSED or ctl.core.op is not None:
+        if not ctl.is_idle_paused:
             return
         self.metrics.events["paused_suspended"] += 1
         with contextlib.suppress(Exception):  # a request may have woken it meanwhile
