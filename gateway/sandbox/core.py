@@ -16,7 +16,7 @@ change goes through ``gateway.sandbox.states.TRANSITIONS``; an illegal one raise
 
 Two tables carry the policy:
 
-* the runtime rules in ``handle`` (a request arrives at a sleeping sandbox ->
+* the runtime rules, ``RULES`` by event type (a request arrives at a sleeping sandbox ->
   record WAKE and start a restore, then hold it; a restore fails after the guest
   ran -> FAILED, cold boot next; the VMM dies while RUNNING -> FAILED and abort
   the requests using it; ...);
@@ -32,6 +32,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from gateway.errors import ApiError, Conflict, SandboxNotFound, Unavailable
@@ -441,10 +442,11 @@ class SandboxCore:
         return 0.0 if self.active or self.entering else max(0.0, now - self.idle_since)
 
     def handle(self, event: object) -> list[Command]:
-        method = getattr(self, "_on_" + type(event).__name__, None)
-        if method is None:
+        """The rule for ``event``'s type (``RULES``), applied to this sandbox."""
+        rule = RULES.get(type(event))
+        if rule is None:
             raise TypeError(f"no rule for {event!r}")
-        return method(event)
+        return rule(self, event)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -735,6 +737,36 @@ class SandboxCore:
         pid = vmm.get("pid") if vmm else None
         self.vmm_pid = pid
         return [Watch(pid)] if pid else []
+
+
+# The runtime rules and start-up recovery's, by event type (tests/unit/test_core_rules.py
+# has a row for every runtime one; each rule branches on the state, operation and counters).
+RULES: dict[type, Callable[[SandboxCore, Any], list[Command]]] = {
+    RequestEntered: SandboxCore._on_RequestEntered,
+    AdmissionAsked: SandboxCore._on_AdmissionAsked,
+    AdmitNow: SandboxCore._on_AdmitNow,
+    RequestLeft: SandboxCore._on_RequestLeft,
+    IdleTick: SandboxCore._on_IdleTick,
+    GuestProbed: SandboxCore._on_GuestProbed,
+    SuspendRequested: SandboxCore._on_SuspendRequested,
+    DrainTick: SandboxCore._on_DrainTick,
+    SnapshotWritten: SandboxCore._on_SnapshotWritten,
+    SuspendFailed: SandboxCore._on_SuspendFailed,
+    PauseRequested: SandboxCore._on_PauseRequested,
+    PauseFinished: SandboxCore._on_PauseFinished,
+    PauseFailed: SandboxCore._on_PauseFailed,
+    UnpauseFinished: SandboxCore._on_UnpauseFinished,
+    UnpauseFailed: SandboxCore._on_UnpauseFailed,
+    CreateFinished: SandboxCore._on_CreateFinished,
+    CreateFailed: SandboxCore._on_CreateFailed,
+    RestoreFinished: SandboxCore._on_RestoreFinished,
+    RestoreFailedEvent: SandboxCore._on_RestoreFailedEvent,
+    VMMExited: SandboxCore._on_VMMExited,
+    DestroyRequested: SandboxCore._on_DestroyRequested,
+    Recovered: SandboxCore._on_Recovered,
+    RecoveryStepDone: SandboxCore._on_RecoveryStepDone,
+    RecoveryStepFailed: SandboxCore._on_RecoveryStepFailed,
+}
 
 
 def recovery_table_markdown() -> str:
