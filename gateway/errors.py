@@ -70,7 +70,7 @@ class QuotaExceeded(Conflict):
 
 
 class RateLimited(ApiError):
-    """A token bucket is empty (gateway.http.ratelimit); carries Retry-After."""
+    """A token bucket is empty (gateway.tenancy.ratelimit); carries Retry-After."""
 
     status = 429
     code = "rate_limited"

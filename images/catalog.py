@@ -130,9 +130,3 @@ def _build_lock(images_dir: Path, progress: Callable[[str], None]) -> Iterator[N
         yield
     finally:
         os.close(fd)
-
-
-def expected_hash(name: str) -> str:
-    """The hash a build of ``name`` would have now (resolves package versions)."""
-    _check_name(name)
-    return resolve_inputs(SPECS[name]).template_hash  # no memo: always asks apt

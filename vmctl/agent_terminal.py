@@ -1,7 +1,7 @@
 """Host-side calls to the guest agent's terminal and ports endpoints.
 
 Functions over an :class:`~vmctl.agent_client.AgentClient` (its session and
-plumbing, not a second client), one per endpoint in ``guest/protocol.py``.
+plumbing, not a second client), one per endpoint of ``guest/protocol.py`` the host uses.
 Errors the agent answers with become ``AgentError``; an unreachable agent is
 ``AgentUnreachable``.
 """
@@ -14,7 +14,6 @@ from guest.protocol import (
     DEFAULT_COLS,
     DEFAULT_ROWS,
     PortExposure,
-    PortInfo,
     validate_port,
     validate_terminal_size,
 )
@@ -59,9 +58,3 @@ async def expose_port(agent: AgentClient, port: int) -> PortExposure:
     ``port_not_listening`` if nothing listens on it."""
     data = await agent._json("POST", f"/ports/{validate_port(port)}/expose")
     return PortExposure.from_dict(data)
-
-
-async def list_ports(agent: AgentClient) -> list[PortInfo]:
-    """The TCP ports something listens on in the guest (not the agent's own)."""
-    data = await agent._json("GET", "/ports")
-    return [PortInfo.from_dict(p) for p in data["ports"]]

@@ -106,18 +106,27 @@ def hostname_for(vm_id: str) -> str:
 
 
 class Machine:
+    # Declared here, not only in __init__, so that the gateway's port to this class
+    # (gateway/sandbox/machine_port.py) can be checked against them (typing.get_type_hints).
+    plan: MachinePlan
+    backend: Backend
+    driver: Driver | None  # the VMM, while one runs
+    agent: AgentClient | None  # the guest agent's client, while the VM runs
+    paused: bool  # the vCPUs are stopped (``pause``), the VMM and its RAM kept
+    # Called (synchronously) with the new VMM's record before its guest may run, so the
+    # owner can persist it: after a crash, recovery must find and adopt that VMM.
+    on_vmm_started: Callable[[VMMRecord], None] | None
+
     def __init__(self, plan: MachinePlan, backend: Backend) -> None:
         self.plan = plan
         self.backend = backend
-        self.driver: Driver | None = None
-        self.agent: AgentClient | None = None
+        self.driver = None
+        self.agent = None
         self._seal: asyncio.Task | None = None  # after a suspend: seal, later compact
         self._seal_cancel = threading.Event()
-        self.paused = False  # the vCPUs are stopped (``pause``), the VMM and its RAM kept
+        self.paused = False
         self._seal_wake = asyncio.Event()
-        # Called (synchronously) with the new VMM's record before its guest may run, so the
-        # owner can persist it: after a crash, recovery must find and adopt that VMM.
-        self.on_vmm_started: Callable[[VMMRecord], None] | None = None
+        self.on_vmm_started = None
 
     @property
     def spec(self) -> VMSpec:

@@ -32,9 +32,9 @@ from gateway.builds.builtin import BuiltinBuilds
 from gateway.config import Config
 from gateway.errors import BadRequest, PayloadTooLarge, Unavailable
 from gateway.http.middleware import current_key
+from gateway.sandbox.goldens import Golden, ensure_golden
 from gateway.sandbox.service import SandboxService
 from guest.protocol import validate_path
-from vmctl.golden import Golden, ensure_golden
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from gateway.errors import BadRequest, Forbidden
 from gateway.sandbox.states import State
 from gateway.http.middleware import current_key
 from gateway.store.registry import SandboxRecord
-from gateway.sandbox.service import SandboxService, tree_bytes
-from vmctl.disks import MEMORY_FILE
+from gateway.sandbox.disk_usage import tree_bytes
+from gateway.sandbox.service import SandboxService
 
 routes = web.RouteTableDef()
 
@@ -32,8 +32,7 @@ MAX_TAIL = 10_000  # lines of console log
 MAX_TAIL_BYTES = 1 << 20  # read at most this much from the end of the console log
 DEFAULT_TAIL = 200
 MAX_EVENTS = 1000
-CONSOLE = ("vm/console.log.1", "vm/console.log")
-SNAPSHOT_REMEASURE_S = 30.0  # oldest first (vmctl.console rotates once)
+CONSOLE = ("vm/console.log.1", "vm/console.log")  # oldest first (vmctl.console rotates once)
 
 
 # -- usage ------------------------------------------------------------------------------------
@@ -112,33 +111,6 @@ def prometheus_lines(service: SandboxService) -> list[str]:
     """``agentbox_usage_*_total{key}`` for ``GET /metrics`` (gateway.http.metrics)."""
     report = usage_report(service, None, 0.0, time.time(), time.time())
     return usage.prometheus({k: total for k, (total, _) in report.items()})
-
-
-def snapshot_bytes(root: Path) -> int:
-    """What a suspended sandbox's snapshot takes on disk: its snapshot directory (device
-    state, and Firecracker's memory) and QEMU's guest memory file, which *is* the memory
-    image while suspended (vmctl/machine.py, the directory layout)."""
-    size = tree_bytes(root / "snapshot")
-    with contextlib.suppress(OSError):
-        size += os.lstat(root / MEMORY_FILE).st_blocks * 512
-    return size
-
-
-async def measure_snapshots(service: SandboxService, seen: dict[str, tuple[int, float]],
-                            every: float = SNAPSHOT_REMEASURE_S) -> None:
-    """Record each suspended sandbox's snapshot size after each suspend, and again every
-    ``every`` seconds while it sleeps (compaction, vm.compact_after, shrinks it later);
-    ``seen``: id -> (suspend_count, when measured)."""
-    now = time.monotonic()
-    for rec in service.registry.list():
-        last = seen.get(rec.id)
-        if rec.state is not State.SUSPENDED or (
-                last is not None and last[0] == rec.suspend_count and now - last[1] < every):
-            continue
-        size = await asyncio.to_thread(snapshot_bytes, Path(rec.root))
-        seen[rec.id] = (rec.suspend_count, now)
-        if size != rec.snapshot_bytes:
-            service.registry.update(rec.id, snapshot_bytes=size)
 
 
 # -- per-sandbox metrics ----------------------------------------------------------------------

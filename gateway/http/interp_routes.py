@@ -1,6 +1,6 @@
 """REST API for the code interpreter and commands: /v1/sandboxes/{id}/run_code,
-/contexts and /commands. Transport only: parse, hold the sandbox, call the agent
-(``vmctl.agent_interp``), shape JSON or relay NDJSON.
+/contexts and /commands. Transport only: parse, hold the sandbox, call its guest agent
+(``gateway.sandbox.guest``), shape JSON or relay NDJSON.
 
 Every handler holds ``SandboxService.use()`` for its whole duration, so a
 streamed response (run output, a followed command) keeps the sandbox counted as
@@ -23,6 +23,7 @@ from aiohttp import web
 from gateway.http import wire
 from gateway.http.sandbox_routes import SERVICE_KEY, json_response, read_json
 from gateway.http.middleware import current_key
+from gateway.sandbox import guest
 from guest.protocol import (
     query_number,
     CommandRequest,
@@ -31,7 +32,6 @@ from guest.protocol import (
     SignalRequest,
     validate_context_name,
 )
-from vmctl import agent_interp
 
 routes = web.RouteTableDef()
 
@@ -79,10 +79,9 @@ async def _relay(request: web.Request, upstream: aiohttp.ClientResponse) -> web.
 async def run_code(request: web.Request) -> web.StreamResponse:
     req = RunCodeRequest.from_dict(await read_json(request))
     async with _use(request) as machine:
-        agent = machine.require_agent()
         if req.stream:
-            return await _relay(request, await agent_interp.open_run_code(agent, req))
-        execution = await agent_interp.run_code(agent, req)
+            return await _relay(request, await guest.open_run_code(machine, req))
+        execution = await guest.run_code(machine, req)
     return json_response(execution.to_dict())
 
 
@@ -90,14 +89,14 @@ async def run_code(request: web.Request) -> web.StreamResponse:
 async def create_context(request: web.Request) -> web.Response:
     req = CreateContextRequest.from_dict(await _json_or_empty(request))
     async with _use(request) as machine:
-        info = await agent_interp.create_context(machine.require_agent(), req)
+        info = await guest.create_context(machine, req)
     return json_response(info.to_dict(), status=201)
 
 
 @routes.get(_SB + "/contexts")
 async def list_contexts(request: web.Request) -> web.Response:
     async with _use(request) as machine:
-        contexts = await agent_interp.list_contexts(machine.require_agent())
+        contexts = await guest.list_contexts(machine)
     return json_response(wire.ContextList(contexts=list(contexts)))
 
 
@@ -105,7 +104,7 @@ async def list_contexts(request: web.Request) -> web.Response:
 async def delete_context(request: web.Request) -> web.Response:
     name = validate_context_name(request.match_info["name"])
     async with _use(request) as machine:
-        await agent_interp.delete_context(machine.require_agent(), name)
+        await guest.delete_context(machine, name)
     return web.Response(status=204)
 
 
@@ -115,24 +114,23 @@ async def delete_context(request: web.Request) -> web.Response:
 async def start_command(request: web.Request) -> web.StreamResponse:
     req = CommandRequest.from_dict(await read_json(request))
     async with _use(request) as machine:
-        agent = machine.require_agent()
         if not req.background:
-            return await _relay(request, await agent_interp.open_command(agent, req))
-        info = await agent_interp.start_command(agent, req)
+            return await _relay(request, await guest.open_command(machine, req))
+        info = await guest.start_command(machine, req)
     return json_response(info.to_dict(), status=201)
 
 
 @routes.get(_SB + "/commands")
 async def list_commands(request: web.Request) -> web.Response:
     async with _use(request) as machine:
-        infos = await agent_interp.list_commands(machine.require_agent())
+        infos = await guest.list_commands(machine)
     return json_response(wire.ProcessList(commands=list(infos)))
 
 
 @routes.get(_PID)
 async def get_command(request: web.Request) -> web.Response:
     async with _use(request) as machine:
-        info = await agent_interp.get_command(machine.require_agent(), _pid(request))
+        info = await guest.get_command(machine, _pid(request))
     return json_response(info.to_dict())
 
 
@@ -140,8 +138,7 @@ async def get_command(request: web.Request) -> web.Response:
 async def command_stdin(request: web.Request) -> web.Response:
     data = await request.read()  # bounded by the app's client_max_size (413 beyond)
     async with _use(request) as machine:
-        await agent_interp.send_stdin(machine.require_agent(), _pid(request), data,
-                                      eof=_flag(request, "eof"))
+        await guest.send_stdin(machine, _pid(request), data, eof=_flag(request, "eof"))
     return web.Response(status=204)
 
 
@@ -149,7 +146,7 @@ async def command_stdin(request: web.Request) -> web.Response:
 async def signal_command(request: web.Request) -> web.Response:
     req = SignalRequest.from_dict(await _json_or_empty(request))
     async with _use(request) as machine:
-        await agent_interp.signal_command(machine.require_agent(), _pid(request), req)
+        await guest.signal_command(machine, _pid(request), req)
     return web.Response(status=204)
 
 
@@ -157,7 +154,7 @@ async def signal_command(request: web.Request) -> web.Response:
 async def wait_command(request: web.Request) -> web.Response:
     timeout = query_number(request.query, "timeout", 30.0, MAX_WAIT)
     async with _use(request) as machine:
-        info = await agent_interp.wait_command(machine.require_agent(), _pid(request), timeout)
+        info = await guest.wait_command(machine, _pid(request), timeout)
     return json_response(info.to_dict())
 
 
@@ -166,6 +163,5 @@ async def command_output(request: web.Request) -> web.StreamResponse:
     offset = int(query_number(request.query, "offset", 0, float(2**62)))
     follow = _flag(request, "follow")
     async with _use(request) as machine:
-        upstream = await agent_interp.open_output(machine.require_agent(), _pid(request),
-                                                  offset, follow)
+        upstream = await guest.open_output(machine, _pid(request), offset, follow)
         return await _relay(request, upstream)

@@ -2,8 +2,8 @@
 
 ``error_middleware`` (outermost) turns anything unexpected into a 500 with a
 request id and logs it. ``api_error_middleware`` (inside it) maps our errors by
-class: ``ApiError`` and vmctl's ``VmctlError`` both carry ``status`` and
-``code``. Neither touches a response that has already started streaming.
+class: ``ApiError`` and the VM layer's ``VmError`` (gateway.sandbox.vm_errors) both
+carry ``status`` and ``code``. Neither touches a response that has already started streaming.
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ from aiohttp import web
 
 from gateway.http import wire
 from gateway.errors import ApiError, Unauthorized
+from gateway.sandbox.vm_errors import GuestAgentError, VmError
 from gateway.store.registry import ApiKey, Registry
 from guest.protocol import ProtocolError
-from vmctl.agent_client import AgentError
-from vmctl.errors import VmctlError
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +65,9 @@ async def api_error_middleware(request: web.Request, handler: Handler) -> web.St
         return error_response(exc.status, exc.code, str(exc), exc.headers)
     except ProtocolError as exc:
         return error_response(400, "bad_request", str(exc))
-    except AgentError as exc:
+    except GuestAgentError as exc:
         return error_response(exc.status, exc.code, str(exc))
-    except VmctlError as exc:
+    except VmError as exc:
         log.warning("%s %s: %s", request.method, request.path, exc)
         return error_response(exc.status, exc.code, str(exc))
 

@@ -61,8 +61,8 @@ from gateway.preview.proxy import (
     PROXY_KEY, Proxy, Target, UpstreamPool, deferred_expect, is_websocket,
 )
 from gateway.preview.proxy_headers import strip_query_param
+from gateway.sandbox.vm_errors import VmError
 from gateway.store.registry import SandboxRecord
-from vmctl.errors import VmctlError
 
 _PORT = r"(6553[0-5]|655[0-2]\d|65[0-4]\d\d|6[0-4]\d{3}|[1-5]\d{4}|[1-9]\d{0,3})"
 
@@ -143,7 +143,7 @@ async def handle_host(request: web.Request) -> web.StreamResponse:
         if found is None:
             raise NotFound(f"no preview or session host {request.host!r}")
         return await _serve_host(request, found)
-    except (ApiError, VmctlError) as exc:
+    except (ApiError, VmError) as exc:
         return error_page(request, exc.status, exc.code, str(exc),
                           getattr(exc, "headers", None))
 

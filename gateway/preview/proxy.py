@@ -41,11 +41,7 @@ from yarl import URL
 
 from gateway.errors import ApiError
 from gateway.preview.proxy_headers import downstream_headers, mirror_close_code, upstream_headers
-
-try:  # built alongside the terminal; without it a 127.0.0.1-only app is simply "closed"
-    from vmctl.agent_terminal import expose_port as _expose_port
-except ImportError:  # pragma: no cover - depends on what is installed
-    _expose_port = None
+from gateway.sandbox import guest
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -291,10 +287,8 @@ class Proxy:
     @staticmethod
     async def _expose(machine: Any, target: Target) -> bool:
         """Ask the guest agent to forward a port bound to 127.0.0.1 (True if it did)."""
-        if _expose_port is None:
-            return False
         try:
-            result = await _expose_port(machine.require_agent(), target.port)
+            result = await guest.expose_port(machine, target.port)
         except Exception as exc:
             log.debug("%s: expose_port(%d) failed: %s", target.sandbox_id, target.port, exc)
             return False

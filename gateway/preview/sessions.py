@@ -42,9 +42,9 @@ from gateway.http.middleware import current_key
 from gateway.preview.access import ACCESS_KEY, COOKIE, TOKEN_HEADER, require_previewable
 from gateway.preview.proxy import PROXY_KEY, Target, deferred_expect
 from gateway.store.registry import Registry
+from gateway.sandbox import guest
 from gateway.sandbox.service import SandboxService, parse_metadata
 from guest.protocol import AGENT_PORT, CommandRequest
-from vmctl import agent_interp
 
 log = logging.getLogger(__name__)
 NAME_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
@@ -179,8 +179,8 @@ class SessionService:
         self.registry.update_session(name, start_state="starting")
         try:
             async with self.service.use(tenant, sandbox_id) as machine:
-                started = await agent_interp.start_command(
-                    machine.require_agent(), CommandRequest(command=command, background=True))
+                started = await guest.start_command(
+                    machine, CommandRequest(command=command, background=True))
         except Exception as exc:
             log.warning("session %s: start command failed: %s", name, exc)
             self.registry.update_session(name, start_state="failed", start_error=str(exc))

@@ -3,7 +3,7 @@
 Transport only: the sandbox is held through ``SandboxService.use_stream`` for as
 long as the socket is open -- it is woken first if it sleeps, and an open
 terminal counts as activity, so it never idles into a suspend under a user.
-The upstream WebSocket to the guest agent's ``/pty`` (``vmctl.agent_terminal``)
+The upstream WebSocket to the guest agent's ``/pty`` (``gateway.sandbox.guest``)
 is opened *before* the client's socket is accepted, so anything that fails up
 to then (unknown sandbox, wake failure, agent refused) is an ordinary JSON
 error response; after that, failures can only close the socket.
@@ -30,6 +30,7 @@ from gateway.http.sandbox_routes import SERVICE_KEY
 from gateway.errors import BadRequest, Forbidden
 from gateway.http.middleware import current_key
 from gateway.preview.hosts import HOSTS_KEY
+from gateway.sandbox import guest
 from guest.protocol import (
     DEFAULT_COLS,
     DEFAULT_ROWS,
@@ -37,7 +38,6 @@ from guest.protocol import (
     ProtocolError,
     validate_terminal_size,
 )
-from vmctl import agent_terminal
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +87,8 @@ async def terminal(request: web.Request) -> web.StreamResponse:
                          code="websocket_required")
     service = request.app[SERVICE_KEY]
     async with service.use_stream(current_key(request).id, request.match_info["id"]) as machine:
-        upstream = await agent_terminal.open_pty(machine.require_agent(), cols, rows,
-                                                 request.query.get("cmd"), max_msg_size=limit)
+        upstream = await guest.open_terminal(machine, cols, rows, request.query.get("cmd"),
+                                             max_msg_size=limit)
         try:
             await ws.prepare(request)
             await relay(ws, upstream)

@@ -24,15 +24,16 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from gateway.sandbox import core as c
 from gateway.sandbox.core import Policy, RestoreFailed, VMLost, WakeTimeout
+from gateway.sandbox.machine_port import MachinePort
 from gateway.errors import ApiError, SandboxNotFound, Unavailable
 from gateway.sandbox.states import State
-from gateway.http.metrics import Metrics
+from gateway.sandbox.metrics import Metrics
 from gateway.store.registry import Registry, SandboxRecord
 from gateway.sandbox.slots import Slots
 from vmctl.machine import RestoreError
@@ -45,21 +46,6 @@ DRAIN_POLL_S = 0.005
 
 __all__ = ["HoldCounter", "Lease", "RestoreFailed", "SandboxController", "VMLost", "Wake",
            "WakePolicy", "WakeTimeout"]
-
-
-class MachineLike(Protocol):
-    """What the controller needs from ``vmctl.Machine`` (a fake implements it in tests)."""
-
-    async def create(self) -> None: ...
-    async def suspend(self) -> None: ...
-    async def wake(self) -> float: ...
-    async def cold_boot(self) -> float: ...
-    async def abort_suspend(self) -> None: ...
-    async def pause(self) -> None: ...
-    async def unpause(self) -> float: ...
-    async def stop_vmm(self) -> None: ...
-    async def destroy(self) -> None: ...
-    def vmm_record(self) -> Any: ...
 
 
 class HoldCounter:
@@ -101,7 +87,7 @@ class Lease:
 
 
 class SandboxController:
-    def __init__(self, rec: SandboxRecord, machine: MachineLike, registry: Registry,
+    def __init__(self, rec: SandboxRecord, machine: MachinePort, registry: Registry,
                  policy: Policy, holds: HoldCounter,
                  spawn: Callable[[Awaitable[Any], str], asyncio.Task],
                  metrics: Metrics | None = None) -> None:
@@ -131,6 +117,12 @@ class SandboxController:
         return self.rec.id
 
     @property
+    def record(self) -> SandboxRecord:
+        """The sandbox's current registry row, as of the controller's last write (read-only:
+        only the controller replaces it)."""
+        return self.rec
+
+    @property
     def state(self) -> State:
         return self.core.state
 
@@ -141,6 +133,42 @@ class SandboxController:
     @property
     def active(self) -> int:
         return self.core.active
+
+    # Read-only facts of the core, for the service and the warm pool (they never touch it).
+
+    @property
+    def serving(self) -> bool:
+        """RUNNING with no operation under way: a request is admitted at once."""
+        return self.core.serving
+
+    @property
+    def is_idle_paused(self) -> bool:
+        """PAUSED with no operation under way: claimable, or a snapshot may start."""
+        return self.core.is_idle_paused
+
+    @property
+    def paused_since(self) -> float:
+        """When (monotonic) the current pause began."""
+        return self.core.paused_since
+
+    @property
+    def vmm_pid(self) -> int | None:
+        """The VMM the controller watches (None: none, or not its own)."""
+        return self.core.vmm_pid
+
+    def busy_with(self, ops: Collection[c.Op]) -> bool:
+        """One of ``ops`` is under way."""
+        return self.core.op in ops
+
+    def refresh_record(self) -> SandboxRecord:
+        """Re-read the registry row after someone else changed it (a PATCH, a pool claim)."""
+        self.rec = self.registry.get(self.id) or self.rec
+        return self.rec
+
+    def tell(self, event: object) -> list[c.Command]:
+        """Hand the core an event (start-up recovery's), execute what needs no waiting and
+        return the rest for the caller."""
+        return self._run(self.core.handle(event))
 
     # -- requests -------------------------------------------------------------------
 

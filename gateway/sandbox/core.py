@@ -16,7 +16,7 @@ change goes through ``gateway.sandbox.states.TRANSITIONS``; an illegal one raise
 
 Two tables carry the policy:
 
-* the runtime rules in ``handle`` (a request arrives at a sleeping sandbox ->
+* the runtime rules, ``RULES`` by event type (a request arrives at a sleeping sandbox ->
   record WAKE and start a restore, then hold it; a restore fails after the guest
   ran -> FAILED, cold boot next; the VMM dies while RUNNING -> FAILED and abort
   the requests using it; ...);
@@ -32,6 +32,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from gateway.errors import ApiError, Conflict, SandboxNotFound, Unavailable
@@ -431,14 +432,21 @@ class SandboxCore:
         """RUNNING with no operation under way: a request is admitted at once."""
         return self.state is S.RUNNING and self.op is None
 
+    @property
+    def is_idle_paused(self) -> bool:
+        """PAUSED with no operation under way (no stop, continue or snapshot in flight): a
+        request unpauses it, a claim takes it, a suspend may start from it."""
+        return self.state is S.PAUSED and self.op is None
+
     def idle_for(self, now: float) -> float:
         return 0.0 if self.active or self.entering else max(0.0, now - self.idle_since)
 
     def handle(self, event: object) -> list[Command]:
-        method = getattr(self, "_on_" + type(event).__name__, None)
-        if method is None:
+        """The rule for ``event``'s type (``RULES``), applied to this sandbox."""
+        rule = RULES.get(type(event))
+        if rule is None:
             raise TypeError(f"no rule for {event!r}")
-        return method(event)
+        return rule(self, event)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -467,7 +475,7 @@ class SandboxCore:
         cmds: list[Command] = []
         if st in (S.SUSPENDED, S.FAILED) and self.op is None:
             cmds += self._begin_restore("woken by a request")
-        elif st is S.PAUSED and self.op is None:
+        elif self.is_idle_paused:
             cmds += self._begin_unpause("woken by a request")
         elif st is S.SUSPENDING:
             self.cancel_suspend = True
@@ -498,7 +506,7 @@ class SandboxCore:
             and self.idle_for(now) >= timeout
 
     def _on_IdleTick(self, ev: IdleTick) -> list[Command]:
-        if self.state is S.PAUSED and self.op is None and not self.entering and ev.timeout > 0 \
+        if self.is_idle_paused and not self.entering and ev.timeout > 0 \
                 and ev.now - self.paused_since >= self.policy.suspend_after_pause:
             return self._begin_suspend(f"paused for {self.policy.suspend_after_pause:g}s")
         return [ProbeGuest()] if self._idle(ev.now, ev.timeout) else []
@@ -729,6 +737,36 @@ class SandboxCore:
         pid = vmm.get("pid") if vmm else None
         self.vmm_pid = pid
         return [Watch(pid)] if pid else []
+
+
+# The runtime rules and start-up recovery's, by event type (tests/unit/test_core_rules.py
+# has a row for every runtime one; each rule branches on the state, operation and counters).
+RULES: dict[type, Callable[[SandboxCore, Any], list[Command]]] = {
+    RequestEntered: SandboxCore._on_RequestEntered,
+    AdmissionAsked: SandboxCore._on_AdmissionAsked,
+    AdmitNow: SandboxCore._on_AdmitNow,
+    RequestLeft: SandboxCore._on_RequestLeft,
+    IdleTick: SandboxCore._on_IdleTick,
+    GuestProbed: SandboxCore._on_GuestProbed,
+    SuspendRequested: SandboxCore._on_SuspendRequested,
+    DrainTick: SandboxCore._on_DrainTick,
+    SnapshotWritten: SandboxCore._on_SnapshotWritten,
+    SuspendFailed: SandboxCore._on_SuspendFailed,
+    PauseRequested: SandboxCore._on_PauseRequested,
+    PauseFinished: SandboxCore._on_PauseFinished,
+    PauseFailed: SandboxCore._on_PauseFailed,
+    UnpauseFinished: SandboxCore._on_UnpauseFinished,
+    UnpauseFailed: SandboxCore._on_UnpauseFailed,
+    CreateFinished: SandboxCore._on_CreateFinished,
+    CreateFailed: SandboxCore._on_CreateFailed,
+    RestoreFinished: SandboxCore._on_RestoreFinished,
+    RestoreFailedEvent: SandboxCore._on_RestoreFailedEvent,
+    VMMExited: SandboxCore._on_VMMExited,
+    DestroyRequested: SandboxCore._on_DestroyRequested,
+    Recovered: SandboxCore._on_Recovered,
+    RecoveryStepDone: SandboxCore._on_RecoveryStepDone,
+    RecoveryStepFailed: SandboxCore._on_RecoveryStepFailed,
+}
 
 
 def recovery_table_markdown() -> str:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.config import SandboxConfig
 from gateway.errors import BadRequest
+from gateway.sandbox.disk_usage import measure_snapshots
 from gateway.sandbox.states import State
 from gateway.store.registry import SandboxRecord
 
@@ -124,13 +125,11 @@ async def scan(service: SandboxService, now: float | None = None) -> list[str]:
 async def expiry_loop(service: SandboxService) -> None:
     """Once a second: destroy expired sandboxes, measure new snapshots and note that the
     daemon is alive (for usage)."""
-    from gateway.http.control_routes import measure_snapshots  # (imports the API, which imports us)
-
     measured: dict[str, tuple[int, float]] = {}
     while True:
         try:
             await scan(service)
-            await measure_snapshots(service, measured)
+            await measure_snapshots(service.registry, measured)
             if service.run_id is not None:
                 service.registry.heartbeat(service.run_id)
         except Exception:

@@ -88,7 +88,7 @@ async def _create_forks(svc: SandboxService, tenant: str, source: SandboxRecord,
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed or any(c.state is not State.RUNNING for c in ctls):
             raise failed[0] if failed else Unavailable("a fork did not start", code="unavailable")
-        return [c.rec for c in ctls]
+        return [c.record for c in ctls]
     except BaseException:
         await asyncio.shield(_destroy_all(svc, recs))
         raise

@@ -59,7 +59,8 @@ async def _recover(service: SandboxService, rec: SandboxRecord) -> int | None:
     if rec.state not in (State.CREATING, State.DESTROYED):
         await network_ready(service, rec)
     before = ctl.state
-    await _execute(ctl, ctl.core.handle(found), record)
+    # Only a VMM that is still ours is adopted or killed: a recorded pid may be reused.
+    await _execute(ctl, ctl.core.handle(found), record if alive else None)
     if ctl.state is not before:
         log.info("sandbox %s: %s -> %s (%s)", rec.id, before.value, ctl.state.value,
                  ctl.rec.failure or "recovered")
@@ -76,7 +77,7 @@ async def _execute(ctl: SandboxController, cmds: list[c.Command],
     while pending:
         cmd = pending.pop(0)
         if isinstance(cmd, c.RemoveResources):
-            await ctl.machine.destroy()  # type: ignore[attr-defined]
+            await ctl.machine.destroy()
             continue
         assert isinstance(cmd, c.RunStep), cmd
         try:
@@ -97,31 +98,31 @@ async def _step(ctl: SandboxController, step: c.Step,
                 record: VMMRecord | None) -> dict | None:
     machine = ctl.machine
     if step in (c.Step.KILL, c.Step.DISCARD):
-        if record is not None and pid_alive(record.pid):
-            await kill_pid(record.pid, timeout=2.0)
+        if record is not None:  # the VMM, and its cgroup (which outlives it otherwise)
+            await machine.kill_recorded(record)
         if step is c.Step.DISCARD:
-            await machine.destroy()  # type: ignore[attr-defined]
+            await machine.destroy()
         return None
     assert record is not None
     if step is c.Step.ADOPT_PAUSED:  # its guest cannot answer while stopped: no health check
-        await machine.adopt_paused(record)  # type: ignore[attr-defined]
+        await machine.adopt_paused(record)
         return dict(record.__dict__)
-    await machine.adopt(record)  # type: ignore[attr-defined]
+    await machine.adopt(record)
     if step is c.Step.ADOPT:
-        await machine.ensure_running()  # type: ignore[attr-defined]
+        await machine.ensure_running()
     if step is c.Step.RESUME:
         await machine.abort_suspend()
     if step is c.Step.FINISH_RESTORE:
-        await machine.finish_restore()  # type: ignore[attr-defined]
+        await machine.finish_restore()
     else:
-        await machine.require_agent().health(timeout=ADOPT_HEALTH_TIMEOUT_S)  # type: ignore[attr-defined]
+        await machine.require_agent().health(timeout=ADOPT_HEALTH_TIMEOUT_S)
     return dict(record.__dict__)
 
 
 def _snapshot(service: SandboxService, ctl: SandboxController,
               rec: SandboxRecord) -> c.Snapshot:
     """USABLE: complete, never resumed from, and (mid-suspend) written by this suspend."""
-    directory = ctl.machine.snapshot_dir  # type: ignore[attr-defined]
+    directory = ctl.machine.snapshot_dir
     try:
         _, manifest = store.load(directory, verify=False)
     except Exception:

@@ -29,8 +29,9 @@ from gateway.sandbox.controller import HoldCounter, SandboxController, Wake, Wak
 from gateway.builds.builtin import BuiltinBuilds
 from gateway.errors import BadRequest, Conflict, SandboxNotFound, Unavailable
 from gateway.sandbox.states import State
-from gateway.http.metrics import Metrics
+from gateway.sandbox.metrics import Metrics
 from gateway.store.registry import Registry, SandboxRecord
+from gateway.sandbox.disk_usage import tree_bytes
 from gateway.sandbox.egress_policy import policy_of
 from gateway.sandbox.shape_goldens import ShapeGoldens
 from gateway.templates.catalog import TemplateCatalog
@@ -132,7 +133,7 @@ class SandboxService:
         ctl = self.controller(rec)
         # The creation runs detached: a client that disconnects does not leave a half-made VM.
         await ctl.create()
-        return ctl.rec
+        return ctl.record
 
     def resolve_template(self, tenant: str, name: str) -> tuple[str, Golden]:
         """The template ``name`` means for ``tenant`` (an alias is its built-in's name; no
@@ -223,9 +224,7 @@ class SandboxService:
             changes["metadata"] = metadata
         if changes:
             self.registry.update(rec.id, **changes)
-        ctl = self.controller(self.registry.get(rec.id) or rec)
-        ctl.rec = self.registry.get(rec.id) or rec
-        return ctl.rec
+        return self.controller(self.registry.get(rec.id) or rec).refresh_record()
 
     # -- using a sandbox ---------------------------------------------------------------
 
@@ -255,19 +254,19 @@ class SandboxService:
         """The controller of a sandbox that is RUNNING with no operation under way, if it
         has one (``gateway.preview.fastlane``: no registry read; anything else takes ``use()``)."""
         ctl = self._controllers.get(sandbox_id)
-        return ctl if ctl is not None and ctl.core.serving else None
+        return ctl if ctl is not None and ctl.serving else None
 
     async def suspend(self, tenant: str, sandbox_id: str) -> SandboxRecord:
         ctl = self.controller(self.get(tenant, sandbox_id))
         if ctl.state is State.SUSPENDED:
-            return ctl.rec
+            return ctl.record
         await ctl.wait_op()
         op = ctl.start_suspend("requested by API")
         await asyncio.shield(op)
         if ctl.state is not State.SUSPENDED:
             raise Conflict(f"suspend of {sandbox_id} was cancelled by a request",
                            code="suspend_cancelled")
-        return ctl.rec
+        return ctl.record
 
     async def resume(self, tenant: str, sandbox_id: str) -> SandboxRecord:
         async with self.use(tenant, sandbox_id):
@@ -314,10 +313,9 @@ class SandboxService:
     # -- paused sandboxes (gateway.sandbox.pause_policy decides; this measures and acts) -----------
 
     def _paused(self) -> list[pause_policy.PausedSandbox]:
-        return [pause_policy.PausedSandbox(ctl.id, ctl.rec.tenant, ctl.core.paused_since)
+        return [pause_policy.PausedSandbox(ctl.id, ctl.record.tenant, ctl.paused_since)
                 for ctl in self._controllers.values()
-                if ctl.state is State.PAUSED and ctl.core.op is None
-                and ctl.rec.tenant != warm_pool.POOL_TENANT]
+                if ctl.is_idle_paused and ctl.record.tenant != warm_pool.POOL_TENANT]
 
     def _relieve_pressure(self) -> None:
         """Snapshot one paused sandbox per scan while the host needs its memory."""
@@ -348,15 +346,15 @@ class SandboxService:
             # operation under way (its VM stopping, or its snapshot): wait for it, then
             # look again (bounded by the machine's own timeouts).
             pausing = next((ctl for ctl in self._controllers.values()
-                            if ctl.rec.tenant == tenant and ctl.state is State.PAUSED
-                            and ctl.core.op is not None), None)
+                            if ctl.record.tenant == tenant and ctl.state is State.PAUSED
+                            and not ctl.is_idle_paused), None)
             if pausing is None:
                 return
             with contextlib.suppress(Exception):
                 await pausing.wait_op()
 
     async def _suspend_paused(self, ctl: SandboxController, cause: str) -> None:
-        if ctl.state is not State.PAUSED or ctl.core.op is not None:
+        if not ctl.is_idle_paused:
             return
         self.metrics.events["paused_suspended"] += 1
         with contextlib.suppress(Exception):  # a request may have woken it meanwhile
@@ -449,27 +447,6 @@ class SandboxService:
         return MachinePlan(vm_id=rec.id, root=Path(rec.root), slot=slot,
                            golden=self.golden_for(rec), disk_mib=rec.disk_mib,
                            egress=policy_of(rec.egress, self.backend.config.network))
-
-
-def tree_bytes(root: Path) -> int:
-    """Bytes allocated to the files under ``root`` that are its own (sparse files count
-    what they use; each inode once). A sandbox's ``vm/`` chroot hard-links its disk's
-    backing chain (the template's files, ``vmctl.confine.mirror_into_chroot``): a file
-    there that has other links is not counted (the sandbox's own disk is, at its root)."""
-    total, seen = 0, set()
-    chroot = os.path.join(root, "vm")
-    for dirpath, _, files in os.walk(root):
-        in_chroot = dirpath == chroot or dirpath.startswith(chroot + os.sep)
-        for name in files:
-            try:  # a file removed while we walk
-                st = os.lstat(os.path.join(dirpath, name))
-            except OSError:
-                continue
-            if st.st_ino in seen or (in_chroot and st.st_nlink > 1):
-                continue
-            seen.add(st.st_ino)
-            total += st.st_blocks * 512
-    return total
 
 
 def parse_metadata(value: Any) -> dict[str, Any] | None:

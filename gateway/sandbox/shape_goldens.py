@@ -17,11 +17,10 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Callable, Coroutine
-from pathlib import Path
 from typing import Any
 
 from vmctl.backend import Backend
-from vmctl.golden import BUILD_SLOTS, Golden, ensure_golden, golden_dir
+from vmctl.golden import BUILD_SLOTS, Golden, ensure_golden
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +67,6 @@ class ShapeGoldens:
             return golden
         finally:
             self._building.pop(key, None)
-
-    def path_for(self, template: str, vcpus: int, memory_mib: int) -> Path:
-        return golden_dir(self.defaults[template].dir.parent, self.backend, memory_mib, vcpus)
 
 
 def _image_of(golden: Golden):  # type: ignore[no-untyped-def]

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 POOL_TENANT = "@pool"  # not a key id (key_<hex>): no tenant sees or counts these rows
 REFILL_POLL_S = 0.5
 STOP_TIMEOUT_S = 20.0
+FOREGROUND_OPS = (c.Op.CREATE, c.Op.RESTORE, c.Op.COLD_BOOT)  # refill waits while one runs
 # Set while a create runs: whether it claimed a pooled sandbox (for a response header).
 claimed: contextvars.ContextVar[bool] = contextvars.ContextVar("pool_claimed", default=False)
 
@@ -103,7 +104,7 @@ class WarmPool:
                 if ctl is None or ctl.state not in (State.PAUSED, State.RUNNING):
                     ids.remove(sid)
                     if ctl is not None:
-                        self.service.spawn(self._discard(ctl.rec, "pool member lost"),
+                        self.service.spawn(self._discard(ctl.record, "pool member lost"),
                                            f"pool-discard-{sid}")
 
     # -- start / stop ----------------------------------------------------------------------
@@ -165,7 +166,7 @@ class WarmPool:
         now = time.time()
         svc.registry.update(ctl.id, tenant=tenant, metadata=metadata, idle_timeout=idle_timeout,
                             created_at=now, last_activity=now, **(extra or {}))
-        ctl.rec = svc.registry.get(ctl.id) or ctl.rec
+        ctl.refresh_record()
         self.claims += 1
         claimed.set(True)
         try:
@@ -173,7 +174,7 @@ class WarmPool:
                 pass
         finally:
             self._wake.set()  # refill after the claim, not during it
-        return ctl.rec
+        return ctl.record
 
     def _take(self, template: str) -> Any:
         """The first ready member (PAUSED, no operation), removed from the pool."""
@@ -181,7 +182,7 @@ class WarmPool:
         ids = self._members.get(template, [])
         for sid in ids:
             ctl = self.service._controllers.get(sid)
-            if ctl is not None and ctl.state is State.PAUSED and ctl.core.op is None:
+            if ctl is not None and ctl.is_idle_paused:
                 ids.remove(sid)
                 return ctl
         return None
@@ -190,7 +191,7 @@ class WarmPool:
         """Members that a create can claim now, per template."""
         ctls = self.service._controllers
         return {t: sum(1 for sid in ids if (ctl := ctls.get(sid)) is not None
-                       and ctl.state is State.PAUSED and ctl.core.op is None)
+                       and ctl.is_idle_paused)
                 for t, ids in self._members.items()}
 
     # -- refill ----------------------------------------------------------------------------
@@ -217,9 +218,8 @@ class WarmPool:
                 await asyncio.wait_for(self._wake.wait(), REFILL_POLL_S)
 
     def _foreground_busy(self) -> bool:
-        return any(ctl.core.op in (c.Op.CREATE, c.Op.RESTORE, c.Op.COLD_BOOT)
-                   for ctl in self.service._controllers.values()
-                   if ctl.rec.tenant != POOL_TENANT)
+        return any(ctl.busy_with(FOREGROUND_OPS) for ctl in self.service._controllers.values()
+                   if ctl.record.tenant != POOL_TENANT)
 
     def _host_room(self) -> bool:
         svc = self.service
@@ -238,7 +238,7 @@ class WarmPool:
             await asyncio.shield(ctl.start_pause("warm pool member"))
         except BaseException:
             with contextlib.suppress(Exception):
-                await asyncio.shield(self._discard(ctl.rec, "pool member failed"))
+                await asyncio.shield(self._discard(ctl.record, "pool member failed"))
             raise
         if ctl.state is State.PAUSED:
             self._members[template].append(rec.id)

@@ -40,9 +40,9 @@ from typing import Any
 
 from gateway.http import wire
 from gateway.errors import Conflict, TemplateNotFound, Unavailable
+from gateway.sandbox.goldens import Golden, load_golden_dir
 from gateway.sandbox.states import State
 from gateway.store.registry import Registry
-from vmctl.golden import Golden, load_golden_dir
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ overrides applied; 0 means "no limit" for every field.
   created; a create is refused once the sum is at the limit. Each sandbox's disk
   is bounded anyway by its template's virtual size, so the sum between two
   creates can grow by at most that much per sandbox.
-* ``rate`` / ``burst``: the key's token bucket (``gateway.http.ratelimit``).
+* ``rate`` / ``burst``: the key's token bucket (``gateway.tenancy.ratelimit``).
 * ``max_vcpus``, ``max_memory_mib``, ``max_sandbox_disk_mib``: the largest shape one
   sandbox of the key may ask for (``gateway.sandbox.resources``; over it: 403 ``resource_limit``).
   A create that names a ``disk_mib`` also counts that size against ``max_disk_mib``.

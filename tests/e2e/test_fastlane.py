@@ -1,4 +1,4 @@
-"""The preview fast lane (gateway/preview/fastlane.py) in the real daemon,
+"""The preview fast lane (gateway/preview/fastlane/) in the real daemon,
  to an app in a real microVM:
 requests on a connection that never needed aiohttp are answered by the fast lane (counted in
 /metrics), with the same bodies; a connection's first refused request hands it to aiohttp."""

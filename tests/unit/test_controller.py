@@ -6,6 +6,7 @@ import asyncio
 import random
 from collections import Counter
 import time
+from pathlib import Path
 
 import pytest
 
@@ -24,12 +25,57 @@ from vmctl.machine import RestoreError
 
 
 class FakeMachine:
+    """Implements the sandbox layer's port (``MachinePort``; test_machine_port.py checks it)."""
+
     def __init__(self, wake_s=0.02, suspend_s=0.02, cold_boot_s=0.0):
         self.wake_s, self.suspend_s, self.cold_boot_s = wake_s, suspend_s, cold_boot_s
         self.wakes = self.suspends = self.cold_boots = self.aborts = 0
         self.fail_next_wake: Exception | None = None
         self.running = True
         self.agent = None
+        self.driver = None
+        self.on_vmm_started = None
+        self.plan = None  # the sandbox layer itself never reads it (routes do)
+        self.snapshot_dir = Path("/nonexistent/snapshot")
+        self.calls: list[tuple] = []  # recovery's steps, as (method, args...)
+
+    async def create(self):
+        self.running = True
+
+    async def pause(self):
+        self.running = False
+
+    async def unpause(self):
+        self.running = True
+        return 0.0
+
+    async def stop_vmm(self):
+        self.running = False
+
+    async def capture(self, dest, meta):
+        return 0.0
+
+    async def adopt(self, record):
+        self.calls.append(("adopt", record))
+        self.running = True
+
+    async def adopt_paused(self, record):
+        self.calls.append(("adopt_paused", record))
+
+    async def ensure_running(self):
+        self.calls.append(("ensure_running",))
+
+    async def finish_restore(self):
+        self.calls.append(("finish_restore",))
+
+    async def kill_recorded(self, record):
+        self.calls.append(("kill_recorded", record))
+        self.running = False
+
+    def require_agent(self):
+        if self.agent is None:
+            raise RuntimeError("no agent")
+        return self.agent
 
     async def wake(self):
         self.wakes += 1
@@ -56,6 +102,7 @@ class FakeMachine:
         self.aborts += 1
 
     async def destroy(self):
+        self.calls.append(("destroy",))
         self.running = False
 
     def vmm_record(self):

@@ -108,7 +108,7 @@ async def test_make_room_snapshots_a_paused_sandbox_even_while_its_pause_is_unde
     from types import SimpleNamespace
 
     from gateway.tenancy import quotas
-    from gateway.http.metrics import Metrics
+    from gateway.sandbox.metrics import Metrics
     from gateway.sandbox.service import SandboxService
 
     m = SlowPausingMachine()

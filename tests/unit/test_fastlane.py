@@ -704,7 +704,11 @@ def test_sandbox_service_running_is_running_and_idle_only():
     from gateway.sandbox.core import SandboxCore
     from gateway.sandbox.service import SandboxService
 
-    ctl = SimpleNamespace(core=SandboxCore(State.RUNNING, Policy(), now=0.0))
+    class Ctl:  # the controller's fact, read from its core
+        core = SandboxCore(State.RUNNING, Policy(), now=0.0)
+        serving = property(lambda self: self.core.serving)
+
+    ctl = Ctl()
     service = SimpleNamespace(_controllers={SID: ctl})
     assert SandboxService.running(service, SID) is ctl
     assert SandboxService.running(service, "other") is None  # no controller: use() makes one

@@ -138,7 +138,7 @@ async def test_the_scan_destroys_expired_sandboxes_through_their_controller(serv
 
 
 async def test_snapshot_sizes_are_measured_after_a_suspend_and_again_later(service, tmp_path):
-    from gateway.http.control_routes import measure_snapshots
+    from gateway.sandbox.disk_usage import measure_snapshots
 
     root = tmp_path / "sb"
     (root / "snapshot").mkdir(parents=True)
@@ -150,10 +150,10 @@ async def test_snapshot_sizes_are_measured_after_a_suspend_and_again_later(servi
         reg.transition("a", event)
     reg.transition("a", Event.SUSPENDED, suspend_count=1)
     seen: dict = {}
-    await measure_snapshots(service, seen)
+    await measure_snapshots(service.registry, seen)
     assert reg.get("a").snapshot_bytes >= 8192 + 65536
     (root / "memory").unlink()  # compacted: the memory file is gone
-    await measure_snapshots(service, seen)  # too soon to look again
+    await measure_snapshots(service.registry, seen)  # too soon to look again
     assert reg.get("a").snapshot_bytes >= 8192 + 65536
-    await measure_snapshots(service, seen, every=0)
+    await measure_snapshots(service.registry, seen, every=0)
     assert 8192 <= reg.get("a").snapshot_bytes < 65536

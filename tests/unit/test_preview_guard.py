@@ -262,11 +262,11 @@ async def test_session_on_an_ordinary_port_still_proxies(env):
 async def test_terminal_refuses_pages_on_preview_and_session_hosts(env, monkeypatch):
     opened = []
 
-    async def fake_open_pty(agent, cols, rows, cmd, **_):
+    async def fake_open_terminal(machine, cols, rows, cmd, **_):
         opened.append(cmd)
         raise web.HTTPServiceUnavailable()  # stop here: only whether we got this far matters
 
-    monkeypatch.setattr(terminal.agent_terminal, "open_pty", fake_open_pty)
+    monkeypatch.setattr(terminal.guest, "open_terminal", fake_open_terminal)
     api = {"Authorization": f"Bearer {env.a_key}"}
     for origin in (f"http://{env.host}:8080", "http://fine.sessions.localhost"):
         with pytest.raises(aiohttp.WSServerHandshakeError) as err:

@@ -67,7 +67,7 @@ class FakeService:
         rec = self.registry.get(sandbox_id)
         if self.wake_gate is not None or rec is None or rec.state is not State.RUNNING:
             return None
-        return SimpleNamespace(rec=rec, try_request=lambda on_abort: FakeLease(self))
+        return SimpleNamespace(record=rec, try_request=lambda on_abort: FakeLease(self))
 
     @contextlib.asynccontextmanager
     async def use_stream(self, tenant, sandbox_id):

@@ -149,7 +149,7 @@ def test_admin_keys_start_unlimited_but_keep_their_own_overrides():
 
 
 def test_a_sandboxs_disk_usage_counts_its_own_files_not_its_chroots_links(tmp_path):
-    from gateway.sandbox.service import tree_bytes
+    from gateway.sandbox.disk_usage import tree_bytes
 
     template = tmp_path / "images" / "rootfs.ext4"
     template.parent.mkdir()

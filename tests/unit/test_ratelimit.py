@@ -7,14 +7,12 @@ from aiohttp import web
 
 from gateway.http.middleware import REGISTRY_KEY, api_error_middleware, auth_middleware
 from gateway.tenancy.quotas import TenancyConfig
-from gateway.http.ratelimit import (
-    LIMITER_KEY,
+from gateway.http.ratelimit import LIMITER_KEY, address_rate_middleware, key_rate_middleware
+from gateway.tenancy.ratelimit import (
     BucketTable,
     RateLimiter,
     TokenBucket,
     address_bucket,
-    address_rate_middleware,
-    key_rate_middleware,
     peer_ip,
 )
 from gateway.errors import RateLimited

@@ -33,6 +33,18 @@ class FakeController:
     def state(self) -> State:
         return self.registry.get(self.rec.id).state
 
+    @property
+    def record(self) -> SandboxRecord:
+        return self.rec
+
+    @property
+    def is_idle_paused(self) -> bool:  # a fake never pauses
+        return False
+
+    def refresh_record(self) -> SandboxRecord:
+        self.rec = self.registry.get(self.rec.id) or self.rec
+        return self.rec
+
     async def create(self) -> None:
         self.rec = self.registry.transition(self.rec.id, Event.CREATED)
 
