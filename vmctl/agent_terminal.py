@@ -14,6 +14,7 @@ from guest.protocol import (
     DEFAULT_COLS,
     DEFAULT_ROWS,
     PortExposure,
+    PortInfo,
     validate_port,
     validate_terminal_size,
 )
@@ -58,3 +59,9 @@ async def expose_port(agent: AgentClient, port: int) -> PortExposure:
     ``port_not_listening`` if nothing listens on it."""
     data = await agent._json("POST", f"/ports/{validate_port(port)}/expose")
     return PortExposure.from_dict(data)
+
+
+async def list_ports(agent: AgentClient) -> list[PortInfo]:
+    """The TCP ports something listens on in the guest (not the agent's own)."""
+    data = await agent._json("GET", "/ports")
+    return [PortInfo.from_dict(p) for p in data["ports"]]

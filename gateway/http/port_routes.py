@@ -12,7 +12,7 @@ from aiohttp import web
 from gateway.http import wire
 from gateway.http.middleware import current_key
 from gateway.http.sandbox_routes import SERVICE_KEY, json_response
-from vmctl.agent_terminal import list_ports
+from gateway.sandbox import guest
 
 routes = web.RouteTableDef()
 
@@ -21,5 +21,5 @@ routes = web.RouteTableDef()
 async def ports(request: web.Request) -> web.Response:
     service = request.app[SERVICE_KEY]
     async with service.use(current_key(request).id, request.match_info["id"]) as machine:
-        found = await list_ports(machine.require_agent())
+        found = await guest.list_ports(machine)
     return json_response(wire.PortList(ports=sorted(found, key=lambda p: p.port)))

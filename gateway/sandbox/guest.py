@@ -28,6 +28,7 @@ from guest.protocol import (
     CreateContextRequest,
     Execution,
     PortExposure,
+    PortInfo,
     ProcessInfo,
     RunCodeRequest,
     SignalRequest,
@@ -113,3 +114,8 @@ async def expose_port(machine: MachinePort, port: int) -> PortExposure:
     """Make ``port`` reachable at the guest's address (the agent forwards a listener bound
     to loopback only); ``GuestAgentError`` 404 ``port_not_listening`` if none listens."""
     return await agent_terminal.expose_port(machine.require_agent(), port)
+
+
+async def list_ports(machine: MachinePort) -> list[PortInfo]:
+    """The TCP ports something listens on in the guest (GET /v1/sandboxes/{id}/ports)."""
+    return await agent_terminal.list_ports(machine.require_agent())

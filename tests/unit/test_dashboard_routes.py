@@ -277,18 +277,18 @@ async def test_a_client_leaving_ends_its_stream_quietly(tmp_path, monkeypatch, c
 
 async def test_ports_lists_what_listens_in_the_guest_sorted_and_per_the_spec(env, monkeypatch):
     """GET /v1/sandboxes/{id}/ports (the dashboard's preview links), guest faked."""
-    from gateway.http import port_routes
+    from gateway.sandbox import guest
     from guest.protocol import PortInfo
     from tests.contract import check_answer
 
     client, registry, admin = env
     asked = []
 
-    async def fake_list_ports(agent):
-        asked.append(agent)
+    async def fake_list_ports(machine):
+        asked.append(machine.require_agent())
         return [PortInfo(8123, ["0.0.0.0"]), PortInfo(3000, ["127.0.0.1"], forwarded=True)]
 
-    monkeypatch.setattr(port_routes, "list_ports", fake_list_ports)
+    monkeypatch.setattr(guest, "list_ports", fake_list_ports)
     sb = await (await client.post("/v1/sandboxes", json={}, headers=admin)).json()
     service = client.app[dashboard_env.sandbox_routes.SERVICE_KEY]
     service._controllers[sb["id"]].machine.require_agent = lambda: "the agent"
