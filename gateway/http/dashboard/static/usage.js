@@ -42,6 +42,10 @@ export async function usageView(main, { signal }) {
   const charts = h("div", { id: "usage-charts" });
   main.append(h("h2", {}, "Usage"), h("form", { class: "filters" }, measure, span), charts);
   let data = null;
+  const names = new Map();  // key id -> name (an admin key can list them)
+  if (session.admin) {
+    for (const k of (await api("GET", "/v1/keys?revoked=1", { signal })).keys) names.set(k.id, k.name);
+  }
 
   async function load() {
     const now = Date.now() / 1000, step = Number(span.value) / BUCKETS;
@@ -63,7 +67,8 @@ export async function usageView(main, { signal }) {
     for (const key of keys) {
       const values = data.map((b) => b.usage.keys.find((k) => k.key === key)?.[measure.value] ?? 0);
       charts.append(h("section", { class: "usage-key", dataset: { key } },
-        h("h3", {}, `${key}: ${measure.value}`), chart(values, labels, `${key} ${measure.value}`)));
+        h("h3", {}, `${names.get(key) ?? key} (${key}): ${measure.value}`),
+        chart(values, labels, `${key} ${measure.value}`)));
     }
     if (!keys.size) charts.append(h("p", {}, "no usage in this window"));
   }
