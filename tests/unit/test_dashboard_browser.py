@@ -84,7 +84,7 @@ async def test_dashboard_in_a_browser(served, aiohttp_client):
         await page.wait_for_selector(key_row, state="detached")
         assert registry.get_key(made.id).revoked
         await page.click("a[href='#/usage']")
-        await page.wait_for_selector("#usage-charts svg.chart rect.bar")
+        await page.wait_for_selector("#usage-charts svg.chart rect.bar", state="attached")
         await page.wait_for_selector("#usage-charts h3:has-text('alice (key_')")  # per key
         await shot(page, "unit-usage")
         await page.click("a[href='#/templates']")
