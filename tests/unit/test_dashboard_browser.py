@@ -10,8 +10,10 @@ import asyncio
 
 import pytest
 
+from gateway.sandbox.states import Event
 from tests.browser import browser_page, shot, sign_in
 from tests.unit import dashboard_env
+from tests.unit.test_dashboard_feed import _record
 
 XSS = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script>'
 
@@ -53,6 +55,15 @@ async def test_dashboard_in_a_browser(served, aiohttp_client):
         await page.select_option("#tenant", "")  # this key only
         await page.wait_for_selector(their_row, state="detached")
         assert await page.locator(row).count() == 1
+        # a warm-pool sandbox given to this key (a claim: its row's tenant changes, then it
+        # wakes) appears too, though its first transition in the key's stream is not a create
+        pooled = _record("pooled1", "@pool")
+        registry.insert_sandbox(pooled)
+        registry.transition("pooled1", Event.CREATED)
+        registry.transition("pooled1", Event.PAUSE)
+        registry.update("pooled1", tenant=registry.lookup_key(admin).id)
+        registry.transition("pooled1", Event.UNPAUSE, "claimed")
+        await page.wait_for_selector('tr[data-id="pooled1"] .state[data-state=running]')
 
         await page.click(f"{row} button.act-suspend")
         await page.wait_for_selector(f"{row} .state[data-state=suspended]")

@@ -88,13 +88,23 @@ export async function sandboxesView(main, { signal, feed }) {
                     onclick: () => { cursors.push(next); load(); } }, "Next"));
   }
 
+  let timer = null, last = 0;  // reloads for unseen sandboxes: at most one a second
+  const reloadSoon = () => {
+    if (timer) return;
+    timer = setTimeout(() => {
+      timer = null;
+      last = Date.now();
+      load().catch(() => {});
+    }, Math.max(0, 1000 - (Date.now() - last)));
+  };
+  signal.addEventListener("abort", () => clearTimeout(timer));
   const onTransition = (ev) => {
     const t = ev.detail;
     const tr = body.querySelector(`tr[data-id="${CSS.escape(t.sandbox_id)}"]`);
-    if (!tr) {
-      if (t.from !== null) return;
+    if (!tr) {  // a new sandbox, or one just given to a key (a warm-pool claim): reload
+      if (t.to === "destroyed") return;
       if (keys && !keys.some((k) => k.id === t.tenant)) keysAt = 0;  // a key new to us
-      load().catch(() => {});  // a new sandbox: it may belong here
+      reloadSoon();
       return;
     }
     if (t.to === "destroyed") return tr.remove();
