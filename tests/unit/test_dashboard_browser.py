@@ -61,6 +61,8 @@ async def test_dashboard_in_a_browser(served, aiohttp_client):
         registry.insert_sandbox(pooled)
         registry.transition("pooled1", Event.CREATED)
         registry.transition("pooled1", Event.PAUSE)
+        await asyncio.sleep(1.5)  # the page has seen those (an admin sees the pool's too)
+        assert await page.locator('tr[data-id="pooled1"]').count() == 0
         registry.update("pooled1", tenant=registry.lookup_key(admin).id)
         registry.transition("pooled1", Event.UNPAUSE, "claimed")
         await page.wait_for_selector('tr[data-id="pooled1"] .state[data-state=running]')
