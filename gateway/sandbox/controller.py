@@ -488,9 +488,6 @@ class SandboxController:
 
     # -- executing commands ----------------------------------------------------------------
 
-    def run(self, cmds: Sequence[c.Command]) -> list[c.Command]:
-        return self._run(cmds)
-
     def _run(self, cmds: Sequence[c.Command]) -> list[c.Command]:
         """Execute the commands that need no waiting; return the others for the caller."""
         rest: list[c.Command] = []

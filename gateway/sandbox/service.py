@@ -18,7 +18,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +108,7 @@ class SandboxService:
         await self.make_room(tenant)  # at max_awake: snapshot one of its paused sandboxes
         # Checked before a possibly long golden build, and again (synchronously) by _reserve.
         limits = self.limits(tenant)
-        quotas.check_create(tenant, limits, self._usage(tenant, bool(limits.max_disk_mib)),
+        quotas.check_create(tenant, limits, self.tenant_usage(tenant, bool(limits.max_disk_mib)),
                             self._counted_disk(golden, shape))
         times = expiry.at_create(lifetime or expiry.Lifetimes(), self.config.sandbox,
                                     time.time())
@@ -128,7 +128,7 @@ class SandboxService:
             raise BadRequest(f"template {template!r} is a snapshot of {golden.vcpus} vCPU(s) and "
                              f"{golden.mem_mib} MiB: its sandboxes have that shape (a bigger "
                              "disk_mib is possible)", code="invalid_resources")
-        rec = self._reserve(tenant, template, golden, metadata, idle_timeout, shape,
+        rec = self.reserve(tenant, template, golden, metadata, idle_timeout, shape,
                             {**times, "egress": egress})
         ctl = self.controller(rec)
         # The creation runs detached: a client that disconnects does not leave a half-made VM.
@@ -166,7 +166,7 @@ class SandboxService:
         """The disk a create counts against max_disk_mib up front: a size asked for."""
         return shape.disk_mib if shape.disk_mib != golden.disk_mib else 0
 
-    def _reserve(self, tenant: str, template: str, golden: Golden, metadata: dict[str, Any],
+    def reserve(self, tenant: str, template: str, golden: Golden, metadata: dict[str, Any],
                  idle_timeout: float | None,
                  shape: resources.Shape | None = None,
                  extra: dict[str, Any] | None = None) -> SandboxRecord:
@@ -174,7 +174,7 @@ class SandboxService:
         so two concurrent creates can never take the same slot)."""
         limits = self.limits(tenant)
         shape = shape or resources.Shape(golden.vcpus, golden.mem_mib, golden.disk_mib)
-        quotas.check_create(tenant, limits, self._usage(tenant, measure_disk=bool(
+        quotas.check_create(tenant, limits, self.tenant_usage(tenant, measure_disk=bool(
             limits.max_disk_mib)), self._counted_disk(golden, shape))
         used = self.registry.used_slots()
         if len(used) >= self.config.sandbox.max_sandboxes:
@@ -282,7 +282,7 @@ class SandboxService:
             return self.config.tenancy.limits
         return self.config.tenancy.limits_for(key.admin, key.limits)
 
-    def _usage(self, tenant: str, measure_disk: bool = False) -> quotas.Usage:
+    def tenant_usage(self, tenant: str, measure_disk: bool = False) -> quotas.Usage:
         recs = self.registry.list(tenant)
         disk = sum(tree_bytes(Path(r.root)) for r in recs) if measure_disk else 0
         disk += self.templates.disk_bytes(tenant) if measure_disk else 0
@@ -292,7 +292,7 @@ class SandboxService:
         # Synchronous up to the controller's recording of the wake (RESTORING), so two
         # concurrent wakes of one tenant cannot both pass the check.
         if ctl.state in (State.SUSPENDED, State.FAILED):
-            quotas.check_wake(tenant, self.limits(tenant), self._usage(tenant))
+            quotas.check_wake(tenant, self.limits(tenant), self.tenant_usage(tenant))
 
     # -- idle suspend --------------------------------------------------------------------
 
@@ -335,7 +335,7 @@ class SandboxService:
         paused sandbox it has), so one more may wake or be created."""
         limits = self.limits(tenant)
         for _ in range(2 * len(self._controllers)):
-            if not limits.max_awake or self._usage(tenant).awake < limits.max_awake:
+            if not limits.max_awake or self.tenant_usage(tenant).awake < limits.max_awake:
                 return
             victim = pause_policy.room_victim(self._paused(), tenant)
             if victim is not None:
@@ -416,6 +416,14 @@ class SandboxService:
                                     self.spawn, self.metrics)
             self._controllers[rec.id] = ctl
         return ctl
+
+    def known(self, sandbox_id: str) -> SandboxController | None:
+        """The sandbox's controller if it has one now (``controller`` makes one)."""
+        return self._controllers.get(sandbox_id)
+
+    def controllers(self) -> Iterable[SandboxController]:
+        """Every controller this host holds now."""
+        return self._controllers.values()
 
     def forget(self, sandbox_id: str) -> None:
         ctl = self._controllers.pop(sandbox_id, None)
