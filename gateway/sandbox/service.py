@@ -34,6 +34,7 @@ from gateway.store.registry import Registry, SandboxRecord
 from gateway.sandbox.disk_usage import tree_bytes
 from gateway.sandbox.egress_policy import policy_of
 from gateway.sandbox.shape_goldens import ShapeGoldens
+from gateway.sandbox.machine_port import MachinePort
 from gateway.templates.catalog import TemplateCatalog
 from images.templates import ALIASES
 from vmctl import network
@@ -229,7 +230,7 @@ class SandboxService:
     # -- using a sandbox ---------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def use(self, tenant: str, sandbox_id: str) -> AsyncIterator[Machine]:
+    async def use(self, tenant: str, sandbox_id: str) -> AsyncIterator[MachinePort]:
         """Hold a running sandbox for one request, waking it first if it sleeps."""
         ctl = self.controller(self.get(tenant, sandbox_id))
         if ctl.state in (State.SUSPENDED, State.FAILED):
@@ -237,10 +238,10 @@ class SandboxService:
         self._check_wake(tenant, ctl)
         async with ctl.request() as wake:
             current_wake.set(wake)
-            yield ctl.machine  # type: ignore[misc]
+            yield ctl.machine
 
     @contextlib.asynccontextmanager
-    async def use_stream(self, tenant: str, sandbox_id: str) -> AsyncIterator[Machine]:
+    async def use_stream(self, tenant: str, sandbox_id: str) -> AsyncIterator[MachinePort]:
         """Like ``use`` for long-lived connections (WebSockets, terminals): not paced."""
         ctl = self.controller(self.get(tenant, sandbox_id))
         if ctl.state in (State.SUSPENDED, State.FAILED):
@@ -248,7 +249,7 @@ class SandboxService:
         self._check_wake(tenant, ctl)
         async with ctl.stream() as wake:
             current_wake.set(wake)
-            yield ctl.machine  # type: ignore[misc]
+            yield ctl.machine
 
     def running(self, sandbox_id: str) -> SandboxController | None:
         """The controller of a sandbox that is RUNNING with no operation under way, if it
@@ -398,7 +399,7 @@ class SandboxService:
             await asyncio.gather(*pending, return_exceptions=True)
         for ctl in self._controllers.values():
             ctl.close()
-            agent, ctl.machine.agent = ctl.machine.agent, None  # type: ignore[attr-defined]
+            agent, ctl.machine.agent = ctl.machine.agent, None
             if agent is not None:
                 await agent.aclose()
         self._controllers.clear()
