@@ -107,7 +107,7 @@ class SandboxController:
         self._watch: ExitWatch | None = None
         self._last_activity: float | None = None  # wall clock of the last request's end
         self.streams = 0  # open WebSockets / streamed responses (for metrics and tests)
-        machine.on_vmm_started = self._vmm_started  # type: ignore[attr-defined]
+        machine.on_vmm_started = self._vmm_started
 
     def __repr__(self) -> str:
         return f"<SandboxController {self.id} {self.core!r}>"
@@ -329,7 +329,7 @@ class SandboxController:
         if not self._run(self.core.handle(c.IdleTick(now, timeout))):
             return
         busy = False
-        agent = getattr(self.machine, "agent", None)
+        agent = self.machine.agent
         if agent is not None:
             health = await agent.health(timeout=5)
             busy = bool(health.running or health.veto)
@@ -479,7 +479,7 @@ class SandboxController:
             watch.close()
 
     def _vmm_exited(self, pid: int) -> None:
-        driver = getattr(self.machine, "driver", None)  # test machines may have none
+        driver = self.machine.driver
         log.warning("sandbox %s: VMM pid %d exited%s", self.id, pid,
                     driver.exit_detail() if driver is not None and driver.pid == pid else "")
         self._watch = None
@@ -487,9 +487,6 @@ class SandboxController:
         self._run(self.core.handle(c.VMMExited(pid)))
 
     # -- executing commands ----------------------------------------------------------------
-
-    def run(self, cmds: Sequence[c.Command]) -> list[c.Command]:
-        return self._run(cmds)
 
     def _run(self, cmds: Sequence[c.Command]) -> list[c.Command]:
         """Execute the commands that need no waiting; return the others for the caller."""

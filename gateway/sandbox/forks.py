@@ -81,7 +81,7 @@ async def _create_forks(svc: SandboxService, tenant: str, source: SandboxRecord,
         inherited = {"egress": source.egress, "expires_at": source.expires_at,
                      "auto_delete_after": source.auto_delete_after}
         for _ in range(count):  # synchronous: slots and quota are taken one by one
-            recs.append(svc._reserve(tenant, source.template, golden, dict(source.metadata),
+            recs.append(svc.reserve(tenant, source.template, golden, dict(source.metadata),
                                      source.idle_timeout, extra=inherited))
         ctls = [svc.controller(r) for r in recs]
         results = await asyncio.gather(*(c.create() for c in ctls), return_exceptions=True)
@@ -138,7 +138,7 @@ async def _capture_owned(svc: SandboxService, tenant: str,
 def _check_disk(svc: SandboxService, tenant: str) -> None:
     limits = svc.limits(tenant)
     if limits.max_disk_mib:
-        usage = svc._usage(tenant, measure_disk=True)
+        usage = svc.tenant_usage(tenant, measure_disk=True)
         if usage.disk_bytes >= limits.max_disk_mib << 20:
             raise QuotaExceeded(f"key {tenant}'s sandboxes and templates use "
                                 f"{usage.disk_bytes >> 20} MiB of disk, its limit "
@@ -148,7 +148,7 @@ def _check_disk(svc: SandboxService, tenant: str) -> None:
 def _check_room(svc: SandboxService, tenant: str, count: int) -> None:
     """Refuse a fork the key's quota or the host cannot take whole (before any work)."""
     limits = svc.limits(tenant)
-    usage = svc._usage(tenant, measure_disk=bool(limits.max_disk_mib))
+    usage = svc.tenant_usage(tenant, measure_disk=bool(limits.max_disk_mib))
     quotas.check_fork(tenant, limits, usage, count)
     free = svc.config.sandbox.max_sandboxes - len(svc.registry.used_slots())
     if count > free:

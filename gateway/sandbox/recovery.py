@@ -60,19 +60,19 @@ async def _recover(service: SandboxService, rec: SandboxRecord) -> int | None:
         await network_ready(service, rec)
     before = ctl.state
     # Only a VMM that is still ours is adopted or killed: a recorded pid may be reused.
-    await _execute(ctl, ctl.core.handle(found), record if alive else None)
+    await _execute(ctl, found, record if alive else None)
     if ctl.state is not before:
         log.info("sandbox %s: %s -> %s (%s)", rec.id, before.value, ctl.state.value,
-                 ctl.rec.failure or "recovered")
+                 ctl.record.failure or "recovered")
     if ctl.state is State.DESTROYED:
         service.forget(rec.id)
-    return ctl.core.vmm_pid
+    return ctl.vmm_pid
 
 
-async def _execute(ctl: SandboxController, cmds: list[c.Command],
+async def _execute(ctl: SandboxController, found: c.Recovered,
                    record: VMMRecord | None) -> None:
     """Run the recovery commands; the plan's own step reports back to the core."""
-    pending = ctl.run(cmds)
+    pending = ctl.tell(found)
     reported = False
     while pending:
         cmd = pending.pop(0)
@@ -91,7 +91,7 @@ async def _execute(ctl: SandboxController, cmds: list[c.Command],
             event = c.RecoveryStepDone(vmm)
         if not reported:
             reported = True
-            pending = [*ctl.run(ctl.core.handle(event)), *pending]
+            pending = [*ctl.tell(event), *pending]
 
 
 async def _step(ctl: SandboxController, step: c.Step,

@@ -18,7 +18,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from gateway.store.registry import Registry, SandboxRecord
 from gateway.sandbox.disk_usage import tree_bytes
 from gateway.sandbox.egress_policy import policy_of
 from gateway.sandbox.shape_goldens import ShapeGoldens
+from gateway.sandbox.machine_port import MachinePort
 from gateway.templates.catalog import TemplateCatalog
 from images.templates import ALIASES
 from vmctl import network
@@ -108,7 +109,7 @@ class SandboxService:
         await self.make_room(tenant)  # at max_awake: snapshot one of its paused sandboxes
         # Checked before a possibly long golden build, and again (synchronously) by _reserve.
         limits = self.limits(tenant)
-        quotas.check_create(tenant, limits, self._usage(tenant, bool(limits.max_disk_mib)),
+        quotas.check_create(tenant, limits, self.tenant_usage(tenant, bool(limits.max_disk_mib)),
                             self._counted_disk(golden, shape))
         times = expiry.at_create(lifetime or expiry.Lifetimes(), self.config.sandbox,
                                     time.time())
@@ -128,7 +129,7 @@ class SandboxService:
             raise BadRequest(f"template {template!r} is a snapshot of {golden.vcpus} vCPU(s) and "
                              f"{golden.mem_mib} MiB: its sandboxes have that shape (a bigger "
                              "disk_mib is possible)", code="invalid_resources")
-        rec = self._reserve(tenant, template, golden, metadata, idle_timeout, shape,
+        rec = self.reserve(tenant, template, golden, metadata, idle_timeout, shape,
                             {**times, "egress": egress})
         ctl = self.controller(rec)
         # The creation runs detached: a client that disconnects does not leave a half-made VM.
@@ -166,7 +167,7 @@ class SandboxService:
         """The disk a create counts against max_disk_mib up front: a size asked for."""
         return shape.disk_mib if shape.disk_mib != golden.disk_mib else 0
 
-    def _reserve(self, tenant: str, template: str, golden: Golden, metadata: dict[str, Any],
+    def reserve(self, tenant: str, template: str, golden: Golden, metadata: dict[str, Any],
                  idle_timeout: float | None,
                  shape: resources.Shape | None = None,
                  extra: dict[str, Any] | None = None) -> SandboxRecord:
@@ -174,7 +175,7 @@ class SandboxService:
         so two concurrent creates can never take the same slot)."""
         limits = self.limits(tenant)
         shape = shape or resources.Shape(golden.vcpus, golden.mem_mib, golden.disk_mib)
-        quotas.check_create(tenant, limits, self._usage(tenant, measure_disk=bool(
+        quotas.check_create(tenant, limits, self.tenant_usage(tenant, measure_disk=bool(
             limits.max_disk_mib)), self._counted_disk(golden, shape))
         used = self.registry.used_slots()
         if len(used) >= self.config.sandbox.max_sandboxes:
@@ -229,7 +230,7 @@ class SandboxService:
     # -- using a sandbox ---------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def use(self, tenant: str, sandbox_id: str) -> AsyncIterator[Machine]:
+    async def use(self, tenant: str, sandbox_id: str) -> AsyncIterator[MachinePort]:
         """Hold a running sandbox for one request, waking it first if it sleeps."""
         ctl = self.controller(self.get(tenant, sandbox_id))
         if ctl.state in (State.SUSPENDED, State.FAILED):
@@ -237,10 +238,10 @@ class SandboxService:
         self._check_wake(tenant, ctl)
         async with ctl.request() as wake:
             current_wake.set(wake)
-            yield ctl.machine  # type: ignore[misc]
+            yield ctl.machine
 
     @contextlib.asynccontextmanager
-    async def use_stream(self, tenant: str, sandbox_id: str) -> AsyncIterator[Machine]:
+    async def use_stream(self, tenant: str, sandbox_id: str) -> AsyncIterator[MachinePort]:
         """Like ``use`` for long-lived connections (WebSockets, terminals): not paced."""
         ctl = self.controller(self.get(tenant, sandbox_id))
         if ctl.state in (State.SUSPENDED, State.FAILED):
@@ -248,7 +249,7 @@ class SandboxService:
         self._check_wake(tenant, ctl)
         async with ctl.stream() as wake:
             current_wake.set(wake)
-            yield ctl.machine  # type: ignore[misc]
+            yield ctl.machine
 
     def running(self, sandbox_id: str) -> SandboxController | None:
         """The controller of a sandbox that is RUNNING with no operation under way, if it
@@ -282,7 +283,7 @@ class SandboxService:
             return self.config.tenancy.limits
         return self.config.tenancy.limits_for(key.admin, key.limits)
 
-    def _usage(self, tenant: str, measure_disk: bool = False) -> quotas.Usage:
+    def tenant_usage(self, tenant: str, measure_disk: bool = False) -> quotas.Usage:
         recs = self.registry.list(tenant)
         disk = sum(tree_bytes(Path(r.root)) for r in recs) if measure_disk else 0
         disk += self.templates.disk_bytes(tenant) if measure_disk else 0
@@ -292,7 +293,7 @@ class SandboxService:
         # Synchronous up to the controller's recording of the wake (RESTORING), so two
         # concurrent wakes of one tenant cannot both pass the check.
         if ctl.state in (State.SUSPENDED, State.FAILED):
-            quotas.check_wake(tenant, self.limits(tenant), self._usage(tenant))
+            quotas.check_wake(tenant, self.limits(tenant), self.tenant_usage(tenant))
 
     # -- idle suspend --------------------------------------------------------------------
 
@@ -335,7 +336,7 @@ class SandboxService:
         paused sandbox it has), so one more may wake or be created."""
         limits = self.limits(tenant)
         for _ in range(2 * len(self._controllers)):
-            if not limits.max_awake or self._usage(tenant).awake < limits.max_awake:
+            if not limits.max_awake or self.tenant_usage(tenant).awake < limits.max_awake:
                 return
             victim = pause_policy.room_victim(self._paused(), tenant)
             if victim is not None:
@@ -398,7 +399,7 @@ class SandboxService:
             await asyncio.gather(*pending, return_exceptions=True)
         for ctl in self._controllers.values():
             ctl.close()
-            agent, ctl.machine.agent = ctl.machine.agent, None  # type: ignore[attr-defined]
+            agent, ctl.machine.agent = ctl.machine.agent, None
             if agent is not None:
                 await agent.aclose()
         self._controllers.clear()
@@ -416,6 +417,14 @@ class SandboxService:
                                     self.spawn, self.metrics)
             self._controllers[rec.id] = ctl
         return ctl
+
+    def known(self, sandbox_id: str) -> SandboxController | None:
+        """The sandbox's controller if it has one now (``controller`` makes one)."""
+        return self._controllers.get(sandbox_id)
+
+    def controllers(self) -> Iterable[SandboxController]:
+        """Every controller this host holds now."""
+        return self._controllers.values()
 
     def forget(self, sandbox_id: str) -> None:
         ctl = self._controllers.pop(sandbox_id, None)

@@ -100,7 +100,7 @@ class WarmPool:
         """Drop members whose VM was lost (a crashed VMM: FAILED) and destroy them."""
         for ids in self._members.values():
             for sid in list(ids):
-                ctl = self.service._controllers.get(sid)
+                ctl = self.service.known(sid)
                 if ctl is None or ctl.state not in (State.PAUSED, State.RUNNING):
                     ids.remove(sid)
                     if ctl is not None:
@@ -158,7 +158,7 @@ class WarmPool:
             return None
         try:
             limits = svc.limits(tenant)
-            quotas.check_create(tenant, limits, svc._usage(tenant, measure_disk=bool(
+            quotas.check_create(tenant, limits, svc.tenant_usage(tenant, measure_disk=bool(
                 limits.max_disk_mib)))
         except BaseException:
             self._members[template].insert(0, ctl.id)  # still the pool's
@@ -181,7 +181,7 @@ class WarmPool:
         self._prune()
         ids = self._members.get(template, [])
         for sid in ids:
-            ctl = self.service._controllers.get(sid)
+            ctl = self.service.known(sid)
             if ctl is not None and ctl.is_idle_paused:
                 ids.remove(sid)
                 return ctl
@@ -189,8 +189,8 @@ class WarmPool:
 
     def ready(self) -> dict[str, int]:
         """Members that a create can claim now, per template."""
-        ctls = self.service._controllers
-        return {t: sum(1 for sid in ids if (ctl := ctls.get(sid)) is not None
+        known = self.service.known
+        return {t: sum(1 for sid in ids if (ctl := known(sid)) is not None
                        and ctl.is_idle_paused)
                 for t, ids in self._members.items()}
 
@@ -218,7 +218,7 @@ class WarmPool:
                 await asyncio.wait_for(self._wake.wait(), REFILL_POLL_S)
 
     def _foreground_busy(self) -> bool:
-        return any(ctl.busy_with(FOREGROUND_OPS) for ctl in self.service._controllers.values()
+        return any(ctl.busy_with(FOREGROUND_OPS) for ctl in self.service.controllers()
                    if ctl.record.tenant != POOL_TENANT)
 
     def _host_room(self) -> bool:
@@ -231,7 +231,7 @@ class WarmPool:
 
     async def _add(self, template: str) -> None:
         svc = self.service
-        rec = svc._reserve(POOL_TENANT, template, svc.goldens[template], {}, 0.0)
+        rec = svc.reserve(POOL_TENANT, template, svc.goldens[template], {}, 0.0)
         ctl = svc.controller(rec)
         try:
             await ctl.create()

@@ -120,7 +120,7 @@ async def test_make_room_snapshots_a_paused_sandbox_even_while_its_pause_is_unde
         await asyncio.shield(pausing)
     svc = SimpleNamespace(_controllers={"sb1": ctl}, metrics=Metrics())
     svc.limits = lambda tenant: quotas.Limits(max_awake=1)
-    svc._usage = lambda tenant: quotas.usage_of(r.state for r in registry.list(tenant))
+    svc.tenant_usage = lambda tenant: quotas.usage_of(r.state for r in registry.list(tenant))
     svc._paused = SandboxService._paused.__get__(svc)
     svc._suspend_paused = SandboxService._suspend_paused.__get__(svc)
     await asyncio.wait_for(SandboxService.make_room(svc, "t"), 5)

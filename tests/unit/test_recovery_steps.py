@@ -50,7 +50,7 @@ def make(registry, root, events: list[Event], record: VMMRecord | None = None,
 
 async def recover(ctl: SandboxController, alive: bool, snapshot: c.Snapshot,
                   record: VMMRecord) -> None:
-    await _execute(ctl, ctl.core.handle(c.Recovered(vmm_alive=alive, snapshot=snapshot)), record)
+    await _execute(ctl, c.Recovered(vmm_alive=alive, snapshot=snapshot), record)
 
 
 async def test_a_suspending_sandboxs_vmm_is_killed_through_kill_recorded(registry, tmp_path):

@@ -9,10 +9,14 @@ a. vmctl is imported only by gateway/sandbox/ and gateway/builds/ (plus the few 
    VM through the sandbox layer (gateway.sandbox.guest, .goldens, .vm_errors).
 b. aiohttp's server (``aiohttp.web``, ``aiohttp.web_*``) is imported only by
    gateway/http/ and gateway/preview/: the layers below them know nothing of requests.
-c. outside gateway/sandbox/, nothing imports gateway.sandbox.core or reads a
-   controller's internals (an attribute ``.core`` or ``.rec`` of anything but ``self``;
-   a controller offers the read-only ``record``).
+c. only the controller touches its core and record: outside gateway/sandbox/ nothing
+   imports gateway.sandbox.core, and no module but the controller reads an attribute
+   ``.core`` or ``.rec`` of anything but ``self`` (a controller offers the read-only
+   ``record``, named facts and ``tell``).
 d. no import cycle among gateway modules.
+e. the layers below the web (sandbox/, tenancy/, templates/, builds/, store/) never
+   import gateway/http/ or gateway/preview/, except the wire types (``WIRE``), the one
+   description of the API that services answer in.
 
 The checker runs over a directory (the repository, or a synthetic tree in the tests at
 the bottom that show each rule failing on a violation).
@@ -46,6 +50,10 @@ WEB_LAYERS = ("gateway.http", "gateway.preview")
 SANDBOX = "gateway.sandbox"
 AIOHTTP_WEB = re.compile(r"aiohttp\.web(_\w+)?(\.|$)")
 INTERNALS = frozenset({"core", "rec"})
+CONTROLLER = "gateway.sandbox.controller"
+LOWER_LAYERS = ("gateway.sandbox", "gateway.tenancy", "gateway.templates", "gateway.builds",
+                "gateway.store")
+WIRE = ("gateway.http.wire", "gateway.http.wire_base")
 
 
 @dataclass(frozen=True)
@@ -138,17 +146,30 @@ def aiohttp_web_violations(sources: dict[str, Source]) -> list[str]:
 
 
 def sandbox_internals_violations(sources: dict[str, Source]) -> list[str]:
-    """(c) outside gateway/sandbox/: no gateway.sandbox.core, no ``x.core`` / ``x.rec``."""
+    """(c) outside gateway/sandbox/ no gateway.sandbox.core; outside the controller no
+    ``x.core`` / ``x.rec``."""
     out = []
     for src in sources.values():
-        if under(src.name, SANDBOX):
+        if src.name == CONTROLLER:
             continue
-        out += [_where(src, imp.line, f"imports {imp.target}") for imp in src.imports
-                if under(imp.target, f"{SANDBOX}.core")]
+        if not under(src.name, SANDBOX):
+            out += [_where(src, imp.line, f"imports {imp.target}") for imp in src.imports
+                    if under(imp.target, f"{SANDBOX}.core")]
         for node in ast.walk(src.tree):
             if isinstance(node, ast.Attribute) and node.attr in INTERNALS and not (
                     isinstance(node.value, ast.Name) and node.value.id == "self"):
                 out.append(_where(src, node.lineno, f"reads {ast.unparse(node)}"))
+    return sorted(set(out))
+
+
+def layer_violations(sources: dict[str, Source]) -> list[str]:
+    """(e) the layers below the web import no http/ or preview/ module but the wire types."""
+    out = []
+    for src in sources.values():
+        if not under(src.name, *LOWER_LAYERS):
+            continue
+        out += [_where(src, imp.line, f"imports {imp.target}") for imp in src.imports
+                if under(imp.target, *WEB_LAYERS) and not under(imp.target, *WIRE)]
     return sorted(set(out))
 
 
@@ -252,6 +273,16 @@ def test_d_no_import_cycle_among_gateway_modules():
     assert not found, "import cycles among gateway modules:\n" + report(found)
 
 
+def test_e_the_layers_below_the_web_never_import_it():
+    found = layer_violations(SOURCES)
+    assert not found, "http/ or preview/ imported from below:\n" + report(found)
+
+
+def test_function_body_imports_are_counted():
+    # gateway.http.app imports gateway.preview.fastlane (a package) inside a function only
+    assert "gateway.preview.fastlane" in graph(SOURCES)["gateway.http.app"]
+
+
 # -- each rule fails on a violation (a synthetic tree) ----------------------------------------
 
 def tree(tmp_path: Path, files: dict[str, str]) -> dict[str, Source]:
@@ -312,12 +343,27 @@ def test_c_fails_on_core_imports_and_controller_internals(tmp_path):
         "gateway/preview/c.py": "def f(ctl):\n    return ctl.rec.state, ctl.core\n",
         "gateway/preview/d.py": "class M:\n    def f(self, ctl):\n        self.rec = ctl.record\n",
         "gateway/sandbox/service.py": "from gateway.sandbox import core\nx = ctl.rec\n",
+        "gateway/sandbox/controller.py": "def f(other):\n    return other.core.op\n",  # ok
     })
     assert sandbox_internals_violations(sources) == [
         "gateway.http.a:1: imports gateway.sandbox.core",
         "gateway.http.b:1: imports gateway.sandbox.core.SandboxCore",
         "gateway.preview.c:2: reads ctl.core",
         "gateway.preview.c:2: reads ctl.rec",
+        "gateway.sandbox.service:2: reads ctl.rec",
+    ]
+
+
+def test_e_fails_on_a_lower_layer_importing_the_web(tmp_path):
+    sources = tree(tmp_path, {
+        "gateway/sandbox/a.py": "from gateway.http.sandbox_routes import json_response\n",
+        "gateway/store/b.py": "def f():\n    from gateway.preview import hosts\n",
+        "gateway/tenancy/c.py": "from gateway.http import wire, wire_base\n",  # allowed
+        "gateway/http/d.py": "from gateway.preview import hosts\n",  # not a lower layer
+    })
+    assert layer_violations(sources) == [
+        "gateway.sandbox.a:1: imports gateway.http.sandbox_routes.json_response",
+        "gateway.store.b:2: imports gateway.preview.hosts",
     ]
 
 
