@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -63,7 +64,15 @@ async def browser_page(viewport: dict[str, int] | None = None) -> AsyncIterator[
             page.on("request", lambda r: watch.urls.append(r.url))
             page.on("response", lambda r: r.status >= 400 and watch.failed.append(
                 f"{r.status} {r.request.method} {r.url}"))
-            yield page, watch
+            try:
+                yield page, watch
+            except BaseException:  # keep what the page showed, and what it logged
+                name = f"failure-{time.strftime('%H%M%S')}"
+                await page.screenshot(path=str(artifacts_dir() / f"{name}.png"), full_page=True)
+                (artifacts_dir() / f"{name}.txt").write_text(
+                    "\n".join(["errors:", *watch.errors, "failed:", *watch.failed]))
+                print(f"failure screenshot: {artifacts_dir() / name}.png")
+                raise
         finally:
             await browser.close()
 
