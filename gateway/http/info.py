@@ -11,6 +11,7 @@ from aiohttp import web
 
 from gateway.http import wire
 from gateway.config import ServerConfig
+from gateway.http.middleware import TENANT_KEY
 
 SERVER_KEY = web.AppKey("server_config", ServerConfig)
 DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -38,7 +39,9 @@ def url_templates(server: ServerConfig) -> tuple[str, str]:
 async def get_info(request: web.Request) -> web.Response:
     server = request.config_dict[SERVER_KEY]
     preview, session = url_templates(server)
+    key = request.get(TENANT_KEY)  # who is asking: the dashboard learns if it is an admin
     info = wire.Info(version=_version(), preview_domain=server.preview_domain,
                      session_domain=server.session_domain, preview_url_template=preview,
-                     session_url_template=session)
+                     session_url_template=session,
+                     key=wire.KeyRef(id=key.id, name=key.name, admin=key.admin) if key else None)
     return web.Response(body=wire.dumps(info), content_type="application/json")

@@ -260,6 +260,13 @@ class Health:
     templates: list[str] = prop(factory=list)
 
 
+@response(description="who an API key is (its secret is never shown again)")
+class KeyRef:
+    id: str
+    name: str
+    admin: bool
+
+
 @response(extra=True)
 class Info:
     version: str
@@ -267,6 +274,7 @@ class Info:
     session_domain: str = ""
     preview_url_template: str = prop(description="URL of a sandbox port, with {port} and {id}")
     session_url_template: str = prop("", description="URL of a session, with {name}")
+    key: KeyRef | None = prop(omit=True, description="the key the request was made with")
 
 
 # -- sessions --------------------------------------------------------------------------------
@@ -512,7 +520,7 @@ SCHEMAS: tuple[type, ...] = (
     Error, ErrorDetail, Sandbox, Egress, SandboxList, SandboxUsage, KeyUsage, Usage,
     SandboxMetrics, SandboxEvent, TransitionEvent, SandboxLogs, CreateSandboxRequest, EgressRules,
     UpdateSandboxRequest, Template, TemplateProgress, Build, BuildResponse, BuildEvent,
-    TemplateList, SnapshotRequest, ForkRequest, Health, Info, Preview, UpdatePreviewRequest,
+    TemplateList, SnapshotRequest, ForkRequest, Health, KeyRef, Info, Preview, UpdatePreviewRequest,
     SessionSpec, Session, SessionList, KeyLimits, KeyLimitsUpdate, CreateKeyRequest,
     UpdateKeyRequest, Key, KeyList, CreatedKey, Result, ContextList, PortList, ProcessList,
     OutputEvent, RunEvent)

@@ -49,7 +49,7 @@ class Service(FakeService):
 def build(tmp_path: Path) -> tuple[web.Application, Registry, str]:
     """The app, its registry and the admin key's secret."""
     config = Config(server=ServerConfig(data_dir=tmp_path), tenancy=TenancyConfig(
-        max_sandboxes=20, max_awake=20, max_disk_mib=0, rate=0, address_rate=0))
+        max_sandboxes=50, max_awake=50, max_disk_mib=0, rate=0, address_rate=0))
     registry = Registry(tmp_path / "r.sqlite")
     golden = SimpleNamespace(template="python", dir=tmp_path / "golden", mem_mib=256,
                              vcpus=1, disk_mib=1024)

@@ -172,7 +172,7 @@ MODELS: dict[str, Any] = {
 # Fields of a schema the SDK deliberately does not keep as a field of the same name
 # (ServerInfo keeps every field of Info in .raw; Result keeps the MIME bundle).
 NOT_A_FIELD: dict[str, set[str]] = {
-    "Info": {"preview_domain", "session_domain"},
+    "Info": {"preview_domain", "session_domain", "key"},
     "Result": {"text/plain", "text/html", "image/png", "application/json"},  # in .data
     "Usage": {"from"}, "SandboxEvent": {"from"},  # as from_ (a keyword in Python)
 }

@@ -120,3 +120,43 @@ async def test_a_refused_key_stays_signed_out(served):
         assert "sign-in failed" in await page.text_content("#toast")
         assert await page.evaluate("sessionStorage.length") == 0
         assert await page.is_visible("#signin")
+
+
+@pytest.mark.timeout(120)
+async def test_a_key_sees_its_own_filters_and_pages(served):
+    """A non-admin key: no key pages, only its own sandboxes (another key's stay out, even
+    live), paged 25 at a time, filtered by metadata and state."""
+    import aiohttp
+
+    server, registry, admin = served
+    base = str(server.make_url("")).rstrip("/")
+    _, bob = registry.create_key("bob")
+    async with aiohttp.ClientSession(base, headers={"Authorization": f"Bearer {bob}"}) as api:
+        for n in range(27):
+            resp = await api.post("/v1/sandboxes", json={"metadata": {"n": str(n)}})
+            assert resp.status == 201, await resp.text()
+    async with browser_page() as (page, watch):
+        await sign_in(page, base, bob)
+        assert not await page.is_visible("#nav-keys") and await page.locator("#tenant").count() == 0
+        rows = page.locator("#sandbox-rows tr[data-id]")
+        await page.wait_for_function("() => document.querySelectorAll("
+                                     "'#sandbox-rows tr[data-id]').length === 25")
+        async with aiohttp.ClientSession(base, headers={"Authorization": f"Bearer {admin}"}) as a:
+            await (await a.post("/v1/sandboxes", json={"metadata": {"n": "admin's"}})).read()
+        await page.click(".pager button:has-text('Next')")
+        await page.wait_for_function("() => document.querySelectorAll("
+                                     "'#sandbox-rows tr[data-id]').length === 2")
+        assert {t.split("=")[1] for t in await page.locator("td.metadata").all_text_contents()} \
+            == {"25", "26"}  # oldest first: the admin's never shows here
+        await page.click(".pager button:has-text('Previous')")
+        await page.wait_for_function("() => document.querySelectorAll("
+                                     "'#sandbox-rows tr[data-id]').length === 25")
+        await page.fill("#filters input[name=metadata]", "n=3")
+        await page.click("#filters button[type=submit]")
+        await page.wait_for_function("() => document.querySelectorAll("
+                                     "'#sandbox-rows tr[data-id]').length === 1")
+        assert await rows.first.locator("td.metadata").text_content() == "n=3"
+        await page.select_option("#filters select[name=state]", "suspended")
+        await page.click("#filters button[type=submit]")
+        await page.wait_for_selector("#sandbox-rows td:has-text('none')")
+        assert not watch.errors, (watch.errors, watch.failed)

@@ -6,7 +6,8 @@ export const session = {
   get key() { return sessionStorage.getItem(STORE); },
   set(key) { sessionStorage.setItem(STORE, key); },
   clear() { sessionStorage.removeItem(STORE); },
-  admin: false,
+  admin: false,  // from GET /v1/info at sign-in, as is keyId
+  keyId: null,
 };
 
 export class ApiError extends Error {

@@ -35,8 +35,7 @@ function signInForm() {
     session.set(input.value.trim());
     input.value = "";
     try {
-      await api("GET", "/v1/info");
-      start();
+      await start();
     } catch (err) {
       session.clear();
       toast(`sign-in failed: ${err.message}`);
@@ -47,12 +46,9 @@ function signInForm() {
 }
 
 async function start() {
-  try {
-    await api("GET", "/v1/keys");
-    session.admin = true;
-  } catch {
-    session.admin = false;
-  }
+  const { key } = await api("GET", "/v1/info");  // who this key is
+  session.admin = Boolean(key?.admin);
+  session.keyId = key?.id ?? null;
   document.getElementById("nav").hidden = false;
   document.getElementById("nav-keys").hidden = !session.admin;
   document.getElementById("signout").hidden = false;
@@ -131,5 +127,5 @@ window.addEventListener("agentbox:unauthorized", () => {
   signOut();
 });
 document.getElementById("signout").addEventListener("click", signOut);
-if (session.key) start();
+if (session.key) start().catch(() => signInForm());
 else signInForm();

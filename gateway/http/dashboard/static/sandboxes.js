@@ -54,15 +54,15 @@ export async function sandboxesView(main, { signal, feed }) {
   // [{sb, key}] of every key (key null: the signed-in key's own, which can do everything).
   async function everyKey() {
     await loadKeys();
-    const own = await api("GET", query("", null), { signal });
-    const mine = new Set(own.sandboxes.map((sb) => sb.id));
-    const pages = await Promise.all(keys.slice(0, MAX_KEYS).map((k) =>
-      api("GET", query(k.id, null), { signal }).then((p) => ({ k, p }))));
-    const rows = own.sandboxes.map((sb) => ({ sb, key: null }));
-    for (const { k, p } of pages) {
-      rows.push(...p.sandboxes.filter((sb) => !mine.has(sb.id)).map((sb) => ({ sb, key: k })));
-    }
-    const more = own.next_cursor || pages.some(({ p }) => p.next_cursor);
+    const listed = [...keys.filter((k) => k.id === session.keyId),
+                    ...keys.filter((k) => k.id !== session.keyId)].slice(0, MAX_KEYS);
+    const pages = await Promise.all(listed.map((k) => {
+      const own = k.id === session.keyId;
+      return api("GET", query(own ? "" : k.id, null), { signal })
+        .then((p) => ({ key: own ? null : k, p }));
+    }));
+    const rows = pages.flatMap(({ key, p }) => p.sandboxes.map((sb) => ({ sb, key })));
+    const more = pages.some(({ p }) => p.next_cursor);
     note.textContent = (more ? `Showing the first ${PAGE} of each key's; pick a key to page. ` : "")
       + (keys.length > MAX_KEYS ? `Only the first ${MAX_KEYS} keys are listed.` : "");
     return rows.sort((a, b) => a.sb.created_at - b.sb.created_at);
@@ -164,8 +164,8 @@ function tenantPicker(keys, filters, apply) {
   const pick = h("select", { name: "tenant", id: "tenant", title: "whose sandboxes (admin)" },
     h("option", { value: "*" }, "all keys"),
     h("option", { value: "" }, "this key"),
-    keys.map((k) => h("option", { value: k.id },
-                      `${k.name} (${k.id})${k.revoked ? " revoked" : ""}`)));
+    keys.filter((k) => k.id !== session.keyId).map((k) => h("option", { value: k.id },
+      `${k.name} (${k.id})${k.revoked ? " revoked" : ""}`)));
   pick.value = filters.tenant;
   pick.addEventListener("change", () => { filters.tenant = pick.value; apply(); });
   return pick;
