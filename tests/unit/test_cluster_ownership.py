@@ -1,0 +1,94 @@
+"""Ownership transactions (no I/O): what each write is guarded by, and what a loss says."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.cluster import wire
+from gateway.cluster.errors import EtcdUncertain, OwnershipConflict
+from gateway.cluster.keys import Keys
+from gateway.cluster.ownership import (Ownership, Versioned, outcome, plan_create, plan_delete,
+                                       plan_move, plan_update)
+from gateway.cluster.records import SandboxRecord
+from gateway.sandbox.states import State
+
+KEYS = Keys("/t")
+REC = SandboxRecord("sb1", "host-a", State.RUNNING)
+CUR = Versioned(REC, mod_revision=40)
+
+
+def _guards(plan) -> set[tuple[str, str, str]]:
+    return {(wire.unb64(c["key"]).decode(), c["target"], c["result"]) for c in plan.compares}
+
+
+def test_create_needs_an_absent_key_and_the_owners_lease() -> None:
+    plan = plan_create(KEYS, REC, host_lease=77)
+    assert _guards(plan) == {("/t/sandboxes/sb1", "CREATE", "EQUAL"),
+                             ("/t/hosts/host-a", "LEASE", "EQUAL")}
+    assert plan.compares[1]["lease"] == "77"
+
+
+def test_update_keeps_owner_and_generation_and_needs_the_read_revision() -> None:
+    plan = plan_update(KEYS, CUR, REC.__class__("sb1", "host-a", State.PAUSED), host_lease=77)
+    assert plan.compares[0]["mod_revision"] == "40"
+    assert ("/t/hosts/host-a", "LEASE", "EQUAL") in _guards(plan)
+    with pytest.raises(ValueError, match="move"):
+        plan_update(KEYS, CUR, REC.moved_to("host-b", State.RUNNING), host_lease=77)
+
+
+def test_move_bumps_the_generation_and_needs_no_lease() -> None:
+    plan = plan_move(KEYS, CUR, "host-b", State.RESTORING)
+    assert plan.new == SandboxRecord("sb1", "host-b", State.RESTORING, gen=2)
+    assert _guards(plan) == {("/t/sandboxes/sb1", "MOD", "EQUAL")}
+
+
+def test_delete_is_guarded_like_an_update() -> None:
+    plan = plan_delete(KEYS, CUR, host_lease=5)
+    assert plan.new is None and "request_delete_range" in plan.success[0]
+    assert len(plan.compares) == 2
+
+
+def _failed_with(record: SandboxRecord | None, mod: int = 50) -> wire.TxnResult:
+    kvs = () if record is None else (wire.KeyValue(b"k", record.encode(), 1, mod, 2, 0),)
+    return wire.TxnResult(revision=mod, succeeded=False,
+                          responses=(wire.RangeResult(mod, kvs, len(kvs), False),))
+
+
+def test_outcome_of_a_win_and_of_a_stale_generation() -> None:
+    plan = plan_move(KEYS, CUR, "host-b", State.RESTORING)
+    won = outcome(plan, wire.TxnResult(revision=41, succeeded=True, responses=({},)))
+    assert won == Versioned(plan.new, 41)
+    newer = REC.moved_to("host-c", State.RUNNING)  # someone else moved it first: gen 2
+    with pytest.raises(OwnershipConflict, match="stale generation") as info:
+        outcome(plan, _failed_with(newer))
+    assert info.value.current == Versioned(newer, 50)
+    with pytest.raises(OwnershipConflict, match="no such record") as gone:
+        outcome(plan, _failed_with(None))
+    assert gone.value.current is None
+
+
+class _LostAnswer:
+    """A client whose txn answer is lost; reads return ``after``."""
+
+    def __init__(self, after: wire.KeyValue | None) -> None:
+        self.after = after
+
+    async def txn(self, *args):
+        raise EtcdUncertain("lost")
+
+    async def get(self, key):
+        return self.after
+
+
+async def test_a_lost_answer_is_resolved_by_reading_back() -> None:
+    moved = REC.moved_to("host-b", State.RESTORING)
+    landed = wire.KeyValue(b"k", moved.encode(), 1, 41, 2, 0)
+    assert await Ownership(_LostAnswer(landed), KEYS).move(CUR, "host-b", State.RESTORING) \
+        == Versioned(moved, 41)
+    other = wire.KeyValue(b"k", REC.moved_to("host-c", State.RUNNING).encode(), 1, 41, 2, 0)
+    with pytest.raises(OwnershipConflict):
+        await Ownership(_LostAnswer(other), KEYS).move(CUR, "host-b", State.RESTORING)
+    unchanged = wire.KeyValue(b"k", REC.encode(), 1, 40, 1, 0)
+    with pytest.raises(EtcdUncertain, match="still unknown"):
+        await Ownership(_LostAnswer(unchanged), KEYS).move(CUR, "host-b", State.RESTORING)
+    assert await Ownership(_LostAnswer(None), KEYS).delete(CUR, host_lease=1) is None
