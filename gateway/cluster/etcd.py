@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 
 from gateway.cluster import wire
-from gateway.cluster.errors import (EtcdRequestError, EtcdUncertain, EtcdUnavailable,
+from gateway.cluster.errors import (ClusterError, EtcdRequestError, EtcdUncertain, EtcdUnavailable,
                                     LeaseNotFound, ProtocolError)
 
 MAX_RESPONSE_BYTES = 8 << 20
@@ -143,6 +143,16 @@ class EtcdClient:
                 return _checked(resp.status, await self._read(resp))
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise EtcdUnavailable(f"{endpoint}: {exc!r}") from exc
+
+    async def probe(self, index: int, timeout: float | None = None) -> bool:
+        """Can endpoint ``index`` serve a linearizable read (it is up and has a leader)?"""
+        body = wire.range_body("\0", limit=1)
+        try:
+            await self._attempt(index, "/v3/kv/range", body, timeout or self.attempt_timeout,
+                                idempotent=True)
+        except (_Retry, ClusterError):
+            return False
+        return True
 
     # --- the HTTP edge ---------------------------------------------------------------------
 

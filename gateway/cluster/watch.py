@@ -4,7 +4,10 @@ A ``Watcher`` owns one named task that holds a ``/v3/watch`` stream open on one 
 When the stream breaks (the member died, lost its leader, the network went) it reopens on
 the next endpoint from the revision after the last one delivered, and drops anything at or
 below it, so ``on_batch`` sees each revision once and in order. Progress notices advance the
-position too. Errors in the stream (etcd's or ours) count as a break. If the
+position too. Errors in the stream (etcd's or ours) count as a break, and so does silence: a
+member cut off by the network never closes our TCP stream, so after ``probe_after`` seconds
+without a message the watcher asks that same member for a linearizable read (which needs a
+leader) and moves on if it cannot answer. If the
 history was compacted the watcher stops with ``Compacted``
 (``exception``) and calls ``on_error``: the owner re-lists and starts a new watcher.
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
 from gateway.cluster import wire
@@ -29,12 +33,13 @@ class Watcher:
     def __init__(self, client: EtcdClient, key: bytes | str, range_end: bytes | None,
                  start_revision: int, on_batch: Callable[[tuple[wire.Event, ...]], None], *,
                  name: str, on_error: Callable[[BaseException], None] | None = None,
-                 retry_delay: float = 0.1) -> None:
+                 retry_delay: float = 0.1, probe_after: float = 2.0) -> None:
         if start_revision < 1:
             raise ValueError("start_revision must be >= 1")
         self.client, self.key, self.range_end = client, key, range_end
         self.name, self.on_batch, self.on_error = name, on_batch, on_error
-        self.retry_delay = retry_delay
+        self.retry_delay, self.probe_after = retry_delay, probe_after
+        self._last_message = 0.0
         self.next_revision = start_revision  # the first revision not yet delivered
         self.exception: BaseException | None = None
         self.reconnects = 0
@@ -61,6 +66,7 @@ class Watcher:
 
     def deliver(self, batch: wire.WatchBatch) -> None:
         """Apply one stream message (sans-IO: tests drive it directly)."""
+        self._last_message = _now()
         if batch.canceled and batch.compact_revision:
             raise Compacted(batch.compact_revision)
         if batch.created:
@@ -94,6 +100,25 @@ class Watcher:
             self.ready.clear()
 
     async def _one_stream(self) -> None:
+        """One stream until it breaks, ends, or its member stops answering probes."""
+        self._last_message = _now()
+        reader = asyncio.create_task(self._read(), name=f"etcd-watch-read:{self.name}")
+        try:
+            while not reader.done():
+                await asyncio.wait({reader}, timeout=self.probe_after)
+                if reader.done() or _now() - self._last_message < self.probe_after:
+                    continue
+                if not await self.client.probe(self._index, timeout=self.probe_after):
+                    log.info("watch %s: %s stopped answering", self.name,
+                             self.client.endpoints[self._index])
+                    return
+                self._last_message = _now()
+            reader.result()
+        finally:
+            reader.cancel()
+            await asyncio.wait({reader})  # never raises the reader's error, nor eats our cancel
+
+    async def _read(self) -> None:
         body = wire.watch_body(self.key, self.range_end, self.next_revision)
         try:
             async for batch in self.client.watch_stream(self._index, body):
@@ -103,6 +128,10 @@ class Watcher:
         except (_StreamEnded, ClusterError) as exc:  # the stream broke: the caller reconnects
             log.info("watch %s on %s broke: %s", self.name,
                      self.client.endpoints[self._index], exc)
+
+
+def _now() -> float:
+    return time.monotonic()
 
 
 class _StreamEnded(Exception):

@@ -31,10 +31,14 @@ class _Client:
     endpoints = ("a", "b", "c")
 
     def __init__(self, history: list[int], breaks: int) -> None:
-        self.history, self.breaks, self.asked = history, breaks, []
+        self.history, self.breaks, self.asked, self.probed = history, breaks, [], []
 
     def order(self) -> list[int]:
         return [0, 1, 2]
+
+    async def probe(self, index: int, timeout: float) -> bool:
+        self.probed.append(index)
+        return index != 0  # member "a" is cut off; the others answer
 
     async def watch_stream(self, index: int, body: dict):
         start = int(body["create_request"]["start_revision"])
@@ -96,3 +100,16 @@ async def test_compaction_stops_the_watcher_and_tells_the_owner() -> None:
 def test_start_revision_must_be_positive() -> None:
     with pytest.raises(ValueError):
         Watcher(_Client([], 0), "k", None, 0, lambda b: None, name="t")
+
+
+async def test_a_silent_member_that_fails_its_probe_is_left() -> None:
+    seen: list[int] = []
+    client = _Client([3], breaks=0)  # every stream goes quiet after its events
+    watcher = Watcher(client, "k", None, 3, lambda b: seen.extend(e.kv.mod_revision for e in b),
+                      name="t", retry_delay=0, probe_after=0.05)
+    watcher.start()
+    await asyncio.sleep(0.4)
+    assert seen == [3]
+    assert client.asked[:2] == [(0, 3), (1, 4)]  # left "a" for "b" after a failed probe
+    assert len(client.asked) == 2 and client.probed[0] == 0 and set(client.probed[1:]) == {1}
+    await watcher.aclose()
