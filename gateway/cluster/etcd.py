@@ -117,8 +117,8 @@ class EtcdClient:
             raise EtcdRequestError(str(answer["error"]))
         return wire.as_int(answer.get("ID")), wire.as_int(answer.get("TTL"))
 
-    async def lease_keepalive(self, lease: int) -> int:
-        """Renew once; the TTL left after renewal. A gone lease raises LeaseNotFound."""
+    async def lease_keepalive(self, lease: int) -> wire.KeepAlive:
+        """Renew once. A gone lease raises LeaseNotFound."""
         answer = await self.call("/v3/lease/keepalive", {"ID": str(lease)}, idempotent=True)
         result = answer.get("result")
         if not isinstance(result, dict):
@@ -126,7 +126,7 @@ class EtcdClient:
         ttl = wire.as_int(result.get("TTL"))
         if ttl <= 0:
             raise LeaseNotFound(f"lease {lease:x} is gone", GRPC_NOT_FOUND)
-        return ttl
+        return wire.KeepAlive(ttl, wire.term_of(result))
 
     async def lease_revoke(self, lease: int) -> None:
         await self.call("/v3/lease/revoke", {"ID": str(lease)}, idempotent=True)

@@ -8,6 +8,14 @@ real expiry. ``LeaseClock`` (no I/O) keeps that bound minus a safety margin, and
 and calls ``on_lost`` exactly once when the bound passes or etcd says the lease is gone,
 even while a renewal is still in flight. A host that stops serving on ``on_lost`` has
 stopped before etcd deletes its keys and anyone else may take over its sandboxes.
+
+One catch, measured in tests/cluster: etcd 3.4 renews a lease on whichever member thinks it
+is the leader, without checking it still has a quorum. A leader cut off from the others
+keeps acknowledging renewals until it steps down (up to about two election timeouts), while
+the majority elects a new leader whose clock for the lease started at its election. So a
+renewal only counts once a linearizable read *after* it (which does need a quorum) comes
+back in the same raft term: that leader was still the leader after the renewal was sent, so
+no later leader's countdown can have started before it.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.cluster.errors import ClusterError, LeaseNotFound
+from gateway.cluster.errors import ClusterError, EtcdUnavailable, LeaseNotFound
 from gateway.cluster.etcd import EtcdClient
 
 log = logging.getLogger(__name__)
@@ -98,7 +106,7 @@ class LeaseKeeper:
             sent = _now()
             try:
                 async with asyncio.timeout_at(self.clock.fence_at):
-                    ttl = await self.client.lease_keepalive(self.lease)
+                    ttl = await self._renew()
             except TimeoutError:
                 return self._lose("not renewed within its TTL")
             except LeaseNotFound:
@@ -110,6 +118,15 @@ class LeaseKeeper:
             self.clock.renewed(sent, ttl)
             self.renewals += 1
             delay = self.clock.renew_every
+
+    async def _renew(self) -> int:
+        """One renewal, confirmed by a quorum read in the same term; returns the TTL."""
+        renewal = await self.client.lease_keepalive(self.lease)
+        confirm = await self.client.range(b"\0", limit=1)
+        if confirm.raft_term != renewal.raft_term:
+            raise EtcdUnavailable(f"leader changed during the renewal (term "
+                                  f"{renewal.raft_term} -> {confirm.raft_term})")
+        return renewal.ttl
 
     def _lose(self, reason: str) -> None:
         self.lost_reason = reason

@@ -42,24 +42,32 @@ class Versioned:
 
 @dataclass(frozen=True)
 class Plan:
-    """One guarded write: the transaction and the record it installs (None: a delete)."""
+    """One guarded write: the transaction, the record it installs (None: a delete), the
+    generation the writer read (0: none) and the owner lease it relies on (0: none)."""
 
     key: str
     compares: list[dict[str, Any]]
     success: list[dict[str, Any]]
     failure: list[dict[str, Any]]
     new: SandboxRecord | None
+    read_gen: int = 0
+    owner: str = ""
+    host_lease: int = 0
 
 
-def _owner_guard(keys: Keys, host: str, host_lease: int) -> list[dict[str, Any]]:
-    return [wire.compare(keys.host(host), wire.Target.LEASE, host_lease)]
+def _guarded(keys: Keys, key: str, first: dict[str, Any], op: dict[str, Any],
+             new: SandboxRecord | None, read_gen: int, owner: str, host_lease: int) -> Plan:
+    """``first`` on the sandbox key, plus the owner's host key on ``host_lease``. On failure
+    read both back, so the loser learns which guard failed."""
+    host_key = keys.host(owner)
+    return Plan(key, [first, wire.compare(host_key, wire.Target.LEASE, host_lease)], [op],
+                [wire.op_get(key), wire.op_get(host_key)], new, read_gen, owner, host_lease)
 
 
 def plan_create(keys: Keys, record: SandboxRecord, host_lease: int) -> Plan:
     key = keys.sandbox(record.id)
-    return Plan(key, [wire.compare(key, wire.Target.CREATE, 0),
-                      *_owner_guard(keys, record.host, host_lease)],
-                [wire.op_put(key, record.encode())], [wire.op_get(key)], record)
+    return _guarded(keys, key, wire.compare(key, wire.Target.CREATE, 0),
+                    wire.op_put(key, record.encode()), record, 0, record.host, host_lease)
 
 
 def plan_update(keys: Keys, current: Versioned, new: SandboxRecord, host_lease: int) -> Plan:
@@ -68,50 +76,65 @@ def plan_update(keys: Keys, current: Versioned, new: SandboxRecord, host_lease: 
                                        current.record.gen):
         raise ValueError("an update keeps id, host and gen; use a move to change owner")
     key = keys.sandbox(new.id)
-    return Plan(key, [wire.compare(key, wire.Target.MOD, current.mod_revision),
-                      *_owner_guard(keys, new.host, host_lease)],
-                [wire.op_put(key, new.encode())], [wire.op_get(key)], new)
+    return _guarded(keys, key, wire.compare(key, wire.Target.MOD, current.mod_revision),
+                    wire.op_put(key, new.encode()), new, current.record.gen, new.host,
+                    host_lease)
 
 
 def plan_move(keys: Keys, current: Versioned, to_host: str, state: State) -> Plan:
-    """Hand the sandbox to ``to_host`` in the next generation (reaper, drain)."""
+    """Hand the sandbox to ``to_host`` in the next generation (reaper, drain): guarded by
+    the mod revision only, since the old owner may be dead."""
     new = current.record.moved_to(to_host, state)
     key = keys.sandbox(new.id)
     return Plan(key, [wire.compare(key, wire.Target.MOD, current.mod_revision)],
-                [wire.op_put(key, new.encode())], [wire.op_get(key)], new)
+                [wire.op_put(key, new.encode())], [wire.op_get(key)], new, current.record.gen)
 
 
 def plan_delete(keys: Keys, current: Versioned, host_lease: int) -> Plan:
     key = keys.sandbox(current.record.id)
-    return Plan(key, [wire.compare(key, wire.Target.MOD, current.mod_revision),
-                      *_owner_guard(keys, current.record.host, host_lease)],
-                [wire.op_delete(key)], [wire.op_get(key)], None)
+    return _guarded(keys, key, wire.compare(key, wire.Target.MOD, current.mod_revision),
+                    wire.op_delete(key), None, current.record.gen, current.record.host,
+                    host_lease)
 
 
 def decode_versioned(kv: wire.KeyValue | None) -> Versioned | None:
     return None if kv is None else Versioned(SandboxRecord.decode(kv.value), kv.mod_revision)
 
 
+def _first_kv(result: wire.TxnResult, index: int) -> wire.KeyValue | None:
+    if len(result.responses) <= index or not isinstance(result.responses[index],
+                                                         wire.RangeResult):
+        return None
+    kvs = result.responses[index].kvs
+    return kvs[0] if kvs else None
+
+
 def outcome(plan: Plan, result: wire.TxnResult) -> Versioned | None:
     """What a sent plan did: the new record, or OwnershipConflict with what etcd holds."""
     if result.succeeded:
         return None if plan.new is None else Versioned(plan.new, result.revision)
-    current = None
-    if result.responses and isinstance(result.responses[0], wire.RangeResult):
-        kvs = result.responses[0].kvs
-        current = decode_versioned(kvs[0] if kvs else None)
-    raise OwnershipConflict(_why(plan, current), current)
+    current = decode_versioned(_first_kv(result, 0))
+    lease_gone = False
+    if plan.owner:
+        host_kv = _first_kv(result, 1)
+        lease_gone = host_kv is None or host_kv.lease != plan.host_lease
+    raise OwnershipConflict(_why(plan, current, lease_gone), current)
 
 
-def _why(plan: Plan, current: Versioned | None) -> str:
+def _why(plan: Plan, current: Versioned | None, lease_gone: bool = False) -> str:
     """Why a guarded write lost: the caller compares ``current`` with what it expected."""
     if current is None:
-        return f"{plan.key}: no such record (or the owner's lease is gone)"
-    held = f"gen {current.record.gen} on {current.record.host} at mod {current.mod_revision}"
-    if plan.new is not None and current.record.gen >= plan.new.gen \
-            and current.record != plan.new:
-        return f"{plan.key}: stale generation: etcd holds {held}"
-    return f"{plan.key}: changed since read, or the owner's lease is gone: etcd holds {held}"
+        held = "no record"
+    else:
+        held = f"gen {current.record.gen} on {current.record.host} at mod " \
+               f"{current.mod_revision}"
+    if current is not None and plan.read_gen and current.record.gen > plan.read_gen:
+        return f"{plan.key}: stale generation {plan.read_gen}: etcd holds {held}"
+    if lease_gone:
+        return f"{plan.key}: {plan.owner}'s lease {plan.host_lease:x} is gone: etcd holds {held}"
+    if current is not None and not plan.read_gen:
+        return f"{plan.key}: already exists: etcd holds {held}"
+    return f"{plan.key}: changed since read: etcd holds {held}"
 
 
 class Ownership:

@@ -80,6 +80,13 @@ class RangeResult:
     kvs: tuple[KeyValue, ...]
     count: int
     more: bool
+    raft_term: int = 0  # of the member that answered (0 inside a txn)
+
+
+@dataclass(frozen=True)
+class KeepAlive:
+    ttl: int  # seconds left after the renewal; 0 = the lease is gone
+    raft_term: int  # the term the renewal was handled in
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,10 @@ def revision_of(answer: dict[str, Any]) -> int:
     return as_int(_obj(answer.get("header", {}), "header").get("revision"))
 
 
+def term_of(answer: dict[str, Any]) -> int:
+    return as_int(_obj(answer.get("header", {}), "header").get("raft_term"))
+
+
 def decode_kv(raw: Any) -> KeyValue:
     kv = _obj(raw, "kv")
     return KeyValue(key=unb64(kv.get("key", "")), value=unb64(kv.get("value", "")),
@@ -126,7 +137,8 @@ def decode_range(answer: Any) -> RangeResult:
     if not isinstance(kvs, list):
         raise ProtocolError("range: kvs is not a list")
     return RangeResult(revision=revision_of(answer), kvs=tuple(decode_kv(kv) for kv in kvs),
-                       count=as_int(answer.get("count")), more=bool(answer.get("more", False)))
+                       count=as_int(answer.get("count")), more=bool(answer.get("more", False)),
+                       raft_term=term_of(answer))
 
 
 def decode_txn(answer: Any) -> TxnResult:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+from gateway.cluster import wire
 from gateway.cluster.errors import EtcdUnavailable, LeaseNotFound
 from gateway.cluster.lease import LeaseClock, LeaseKeeper
 
@@ -24,6 +25,7 @@ class _Client:
     def __init__(self, script, ttl: float = 0.3) -> None:
         self.script = script  # "ok" | "hang" | "gone" | "down", the last one repeats
         self.calls, self.ttl = 0, ttl
+        self.term, self.read_term = 3, 3
 
     async def lease_keepalive(self, lease: int) -> int:
         step = self.script[min(self.calls, len(self.script) - 1)]
@@ -34,7 +36,10 @@ class _Client:
             raise LeaseNotFound("gone")
         if step == "down":
             raise EtcdUnavailable("down")
-        return self.ttl  # type: ignore[return-value]  (etcd's are whole seconds)
+        return wire.KeepAlive(self.ttl, self.term)  # type: ignore[arg-type]  (whole seconds)
+
+    async def range(self, key, limit: int = 0) -> wire.RangeResult:
+        return wire.RangeResult(1, (), 0, False, raft_term=self.read_term)
 
 
 def _keeper(client, ttl: float, lost: list[str]) -> LeaseKeeper:
@@ -93,3 +98,16 @@ async def test_aclose_cancels_a_renewal_in_flight() -> None:
     await asyncio.sleep(0)
     await asyncio.wait_for(keeper.aclose(), 1)
     assert lost == [] and keeper._task is None
+
+
+async def test_a_renewal_from_a_deposed_leader_does_not_count() -> None:
+    """The renewal's term is not the term of the quorum read after it: an old leader cut off
+    from the majority acknowledged it, so the bound must not move."""
+    lost: list[str] = []
+    client = _Client(["ok"])
+    client.read_term = 4
+    keeper = _keeper(client, 0.3, lost)
+    keeper.start()
+    await asyncio.sleep(0.5)
+    assert lost == ["not renewed within its TTL"] and client.calls > 2
+    await keeper.aclose()

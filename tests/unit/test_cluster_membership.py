@@ -28,10 +28,13 @@ class _Client:
         self.txns.append((compares, success))
         return wire.TxnResult(revision=2, succeeded=self.name_free, responses=())
 
-    async def lease_keepalive(self, lease: int) -> int:
+    async def lease_keepalive(self, lease: int) -> wire.KeepAlive:
         if self.keepalive_gone:
             raise LeaseNotFound("gone")
-        return 2
+        return wire.KeepAlive(2, 1)
+
+    async def range(self, key, limit: int = 0) -> wire.RangeResult:
+        return wire.RangeResult(1, (), 0, False, raft_term=1)
 
     async def lease_revoke(self, lease: int) -> None:
         self.revoked.append(lease)

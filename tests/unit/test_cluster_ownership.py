@@ -62,7 +62,7 @@ def test_outcome_of_a_win_and_of_a_stale_generation() -> None:
     with pytest.raises(OwnershipConflict, match="stale generation") as info:
         outcome(plan, _failed_with(newer))
     assert info.value.current == Versioned(newer, 50)
-    with pytest.raises(OwnershipConflict, match="no such record") as gone:
+    with pytest.raises(OwnershipConflict, match="no record") as gone:
         outcome(plan, _failed_with(None))
     assert gone.value.current is None
 
@@ -92,3 +92,24 @@ async def test_a_lost_answer_is_resolved_by_reading_back() -> None:
     with pytest.raises(EtcdUncertain, match="still unknown"):
         await Ownership(_LostAnswer(unchanged), KEYS).move(CUR, "host-b", State.RESTORING)
     assert await Ownership(_LostAnswer(None), KEYS).delete(CUR, host_lease=1) is None
+
+
+def _range(kv: wire.KeyValue | None) -> wire.RangeResult:
+    return wire.RangeResult(50, (kv,) if kv else (), 1 if kv else 0, False)
+
+
+def test_a_loser_learns_which_guard_failed() -> None:
+    plan = plan_update(KEYS, CUR, SandboxRecord("sb1", "host-a", State.PAUSED), host_lease=77)
+    same = wire.KeyValue(b"k", REC.encode(), 1, 40, 1, 0)
+    host_on_other_lease = wire.KeyValue(b"h", b"{}", 1, 45, 1, 78)
+    for host_kv in (host_on_other_lease, None):
+        result = wire.TxnResult(50, False, (_range(same), _range(host_kv)))
+        with pytest.raises(OwnershipConflict, match="host-a's lease 4d is gone"):
+            outcome(plan, result)
+    host_ok = wire.KeyValue(b"h", b"{}", 1, 45, 1, 77)
+    touched = wire.KeyValue(b"k", REC.encode(), 1, 49, 2, 0)
+    with pytest.raises(OwnershipConflict, match="changed since read"):
+        outcome(plan, wire.TxnResult(50, False, (_range(touched), _range(host_ok))))
+    create = plan_create(KEYS, REC, host_lease=77)
+    with pytest.raises(OwnershipConflict, match="already exists"):
+        outcome(create, wire.TxnResult(50, False, (_range(same), _range(host_ok))))
