@@ -252,10 +252,10 @@ def _checked(status: int, raw: bytes) -> dict[str, Any]:
     answer = _json(raw)
     if status == 200 and "code" not in answer:
         return answer
-    code = wire.as_int(answer.get("code", 2))
+    grpc = wire.as_int(answer.get("code", 2))  # a gRPC status, not one of our API codes
     message = str(answer.get("message") or answer.get("error") or f"HTTP {status}")
-    cls = LeaseNotFound if code == GRPC_NOT_FOUND and "lease" in message else EtcdRequestError
-    raise cls(message, code, status)
+    cls = LeaseNotFound if grpc == GRPC_NOT_FOUND and "lease" in message else EtcdRequestError
+    raise cls(message, grpc, status)
 
 
 async def _lines(resp: aiohttp.ClientResponse, limit: int) -> AsyncIterator[bytes]:

@@ -157,8 +157,8 @@ def decode_watch(message: Any) -> WatchBatch:
     if "error" in message:
         err = message["error"]
         text = err.get("message", "watch error") if isinstance(err, dict) else str(err)
-        code = as_int(err.get("grpc_code", err.get("code", 2))) if isinstance(err, dict) else 2
-        raise EtcdRequestError(f"watch stream error: {text}", code)
+        grpc = as_int(err.get("grpc_code", err.get("code", 2))) if isinstance(err, dict) else 2
+        raise EtcdRequestError(f"watch stream error: {text}", grpc)
     result = _obj(message.get("result"), "watch result")
     events = []
     for raw in result.get("events", []):
