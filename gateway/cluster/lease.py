@@ -98,6 +98,16 @@ class LeaseKeeper:
             await asyncio.wait_for(asyncio.shield(task), timeout)
 
     async def _run(self) -> None:
+        """Fails safe: if the loop itself breaks (a bug), the lease counts as lost."""
+        try:
+            await self._renew_loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("lease %s keeper failed", self.name)
+            self._lose(f"the lease keeper failed: {exc!r}")
+
+    async def _renew_loop(self) -> None:
         delay = self.clock.renew_every
         while True:
             await asyncio.sleep(max(0.0, min(delay, self.clock.fence_at - _now())))

@@ -51,6 +51,11 @@ class Watcher:
         state = "running" if self._task and not self._task.done() else "stopped"
         return f"<Watcher {self.name} {state} next={self.next_revision}>"
 
+    @property
+    def streaming_from(self) -> str:
+        """The endpoint the current (or next) stream is on."""
+        return self.client.endpoints[self._index]
+
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name=f"etcd-watch:{self.name}")

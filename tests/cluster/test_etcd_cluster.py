@@ -233,7 +233,8 @@ def test_a_watch_sees_every_change_once_while_its_member_dies(etcd3: EtcdCluster
         watcher.start()
         try:
             await asyncio.wait_for(watcher.ready.wait(), 5)
-            streaming_from = etcd3.members[watcher._index]
+            streaming_from = next(m for m in etcd3.members
+                                  if m.client_url == watcher.streaming_from)
             for i in range(60):
                 if i == 20:
                     await asyncio.get_running_loop().run_in_executor(

@@ -111,3 +111,17 @@ async def test_a_renewal_from_a_deposed_leader_does_not_count() -> None:
     await asyncio.sleep(0.5)
     assert lost == ["not renewed within its TTL"] and client.calls > 2
     await keeper.aclose()
+
+
+async def test_a_broken_keeper_fails_safe() -> None:
+    lost: list[str] = []
+
+    class Broken(_Client):
+        async def lease_keepalive(self, lease: int):
+            raise KeyError("a bug")
+
+    keeper = _keeper(Broken(["ok"]), 0.3, lost)
+    keeper.start()
+    await asyncio.sleep(0.2)
+    assert lost == ["the lease keeper failed: KeyError('a bug')"] and not keeper.alive
+    await keeper.aclose()
