@@ -21,7 +21,6 @@ no later leader's countdown can have started before it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -94,8 +93,8 @@ class LeaseKeeper:
         if task is None or task.done():
             return
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(task), timeout)
+        # wait() neither raises the task's outcome nor swallows our own cancellation.
+        await asyncio.wait({task}, timeout=timeout)
 
     async def _run(self) -> None:
         """Fails safe: if the loop itself breaks (a bug), the lease counts as lost."""

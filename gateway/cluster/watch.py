@@ -17,7 +17,6 @@ history was compacted the watcher stops with ``Compacted``
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -66,8 +65,8 @@ class Watcher:
         if task is None or task.done():
             return
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(task), timeout)
+        # wait() neither raises the task's outcome nor swallows our own cancellation.
+        await asyncio.wait({task}, timeout=timeout)
 
     def deliver(self, batch: wire.WatchBatch) -> None:
         """Apply one stream message (sans-IO: tests drive it directly)."""
