@@ -178,12 +178,28 @@ class EtcdClient:
                 return answer
             await asyncio.sleep(min(0.05, max(0.0, deadline - loop.time())))
 
-    async def _attempt(self, index: int, path: str, body: dict[str, Any], timeout: float,
-                       idempotent: bool) -> dict[str, Any]:
+    async def blocking_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A call that waits as long as it takes (an election campaign): no total deadline,
+        connecting bounded, moved to the next endpoint whenever one fails. Only for calls
+        that are safe to repeat; cancel the caller to stop it."""
+        while True:
+            for index in self.order():
+                try:
+                    answer = await self._attempt(index, path, body, None, idempotent=True)
+                except _Retry:
+                    continue
+                self._preferred = index
+                return answer
+            await asyncio.sleep(0.1)
+
+    async def _attempt(self, index: int, path: str, body: dict[str, Any],
+                       timeout: float | None, idempotent: bool) -> dict[str, Any]:
+        """``timeout`` None: wait for the answer as long as it takes."""
         url = self.endpoints[index] + path
+        limits = aiohttp.ClientTimeout(total=timeout) if timeout is not None else \
+            aiohttp.ClientTimeout(total=None, sock_connect=self.attempt_timeout)
         try:
-            async with self.session().post(
-                    url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            async with self.session().post(url, json=body, timeout=limits) as resp:
                 raw = await self._read(resp)
                 status = resp.status
         except aiohttp.ClientConnectorError as exc:  # never sent

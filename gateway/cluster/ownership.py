@@ -53,6 +53,7 @@ class Plan:
     read_gen: int = 0
     owner: str = ""
     host_lease: int = 0
+    read_mod: int = 0  # set when extra guards ride along: unchanged record = a guard failed
 
 
 def _guarded(keys: Keys, key: str, first: dict[str, Any], op: dict[str, Any],
@@ -81,13 +82,16 @@ def plan_update(keys: Keys, current: Versioned, new: SandboxRecord, host_lease: 
                     host_lease)
 
 
-def plan_move(keys: Keys, current: Versioned, to_host: str, state: State) -> Plan:
+def plan_move(keys: Keys, current: Versioned, to_host: str, state: State,
+              guards: tuple[dict[str, Any], ...] = ()) -> Plan:
     """Hand the sandbox to ``to_host`` in the next generation (reaper, drain): guarded by
-    the mod revision only, since the old owner may be dead."""
+    the mod revision, not the old owner's lease (it may be dead), plus ``guards`` (the
+    mover's ``LeaderKey.guard()``, so a deposed reaper cannot move anything)."""
     new = current.record.moved_to(to_host, state)
     key = keys.sandbox(new.id)
-    return Plan(key, [wire.compare(key, wire.Target.MOD, current.mod_revision)],
-                [wire.op_put(key, new.encode())], [wire.op_get(key)], new, current.record.gen)
+    return Plan(key, [wire.compare(key, wire.Target.MOD, current.mod_revision), *guards],
+                [wire.op_put(key, new.encode())], [wire.op_get(key)], new, current.record.gen,
+                read_mod=current.mod_revision if guards else 0)
 
 
 def plan_delete(keys: Keys, current: Versioned, host_lease: int) -> Plan:
@@ -130,6 +134,8 @@ def _why(plan: Plan, current: Versioned | None, lease_gone: bool = False) -> str
                f"{current.mod_revision}"
     if current is not None and plan.read_gen and current.record.gen > plan.read_gen:
         return f"{plan.key}: stale generation {plan.read_gen}: etcd holds {held}"
+    if current is not None and plan.read_mod and current.mod_revision == plan.read_mod:
+        return f"{plan.key}: the mover's guard failed (no longer leader?): etcd holds {held}"
     if lease_gone:
         return f"{plan.key}: {plan.owner}'s lease {plan.host_lease:x} is gone: etcd holds {held}"
     if current is not None and not plan.read_gen:
@@ -164,8 +170,9 @@ class Ownership:
         plan = plan_update(self.keys, current, new, host_lease)
         return await self._send(plan, current.mod_revision)
 
-    async def move(self, current: Versioned, to_host: str, state: State) -> Versioned:
-        plan = plan_move(self.keys, current, to_host, state)
+    async def move(self, current: Versioned, to_host: str, state: State,
+                   guards: tuple[dict[str, Any], ...] = ()) -> Versioned:
+        plan = plan_move(self.keys, current, to_host, state, guards)
         return await self._send(plan, current.mod_revision)
 
     async def delete(self, current: Versioned, host_lease: int) -> None:
