@@ -143,6 +143,15 @@ def _why(plan: Plan, current: Versioned | None, lease_gone: bool = False) -> str
     return f"{plan.key}: changed since read: etcd holds {held}"
 
 
+def _landed_earlier(plan: Plan, result: wire.TxnResult, expected_rev: int) -> bool:
+    """A resent plan lost its compare: was that to an earlier copy of itself?"""
+    current = decode_versioned(_first_kv(result, 0))
+    if plan.new is None:
+        return current is None
+    return current is not None and current.record == plan.new \
+        and current.mod_revision > expected_rev
+
+
 class Ownership:
     """The asyncio shell: sends plans, resolves lost answers by reading back."""
 
@@ -178,12 +187,24 @@ class Ownership:
     async def delete(self, current: Versioned, host_lease: int) -> None:
         await self._send(plan_delete(self.keys, current, host_lease), current.mod_revision)
 
-    async def _send(self, plan: Plan, expected_rev: int) -> Any:
-        try:
-            result = await self.client.txn(plan.compares, plan.success, plan.failure)
-        except EtcdUncertain:
-            return await self._resolve(plan, expected_rev)
-        return outcome(plan, result)
+    async def _send(self, plan: Plan, expected_rev: int, attempts: int = 3) -> Any:
+        """Send ``plan``; when its answer is lost and the record is still as read, send it
+        again. That is safe because every plan is a compare-and-set on the revision read:
+        an earlier copy that lands late makes the later ones fail, never apply twice, and
+        the read-back then finds our record."""
+        for attempt in range(attempts):
+            try:
+                result = await self.client.txn(plan.compares, plan.success, plan.failure)
+            except EtcdUncertain:
+                try:
+                    return await self._resolve(plan, expected_rev)
+                except EtcdUncertain:
+                    continue
+            if not result.succeeded and attempt > 0:
+                if _landed_earlier(plan, result, expected_rev):
+                    return decode_versioned(_first_kv(result, 0))
+            return outcome(plan, result)
+        raise EtcdUncertain(f"{plan.key}: write outcome unknown after {attempts} tries")
 
     async def _resolve(self, plan: Plan, expected_rev: int) -> Versioned | None:
         """The answer was lost: read back. Ours landed if the key now holds our record (or,

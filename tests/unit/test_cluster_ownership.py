@@ -73,7 +73,10 @@ class _LostAnswer:
     def __init__(self, after: wire.KeyValue | None) -> None:
         self.after = after
 
+    txns = 0
+
     async def txn(self, *args):
+        self.txns += 1
         raise EtcdUncertain("lost")
 
     async def get(self, key):
@@ -89,8 +92,10 @@ async def test_a_lost_answer_is_resolved_by_reading_back() -> None:
     with pytest.raises(OwnershipConflict):
         await Ownership(_LostAnswer(other), KEYS).move(CUR, "host-b", State.RESTORING)
     unchanged = wire.KeyValue(b"k", REC.encode(), 1, 40, 1, 0)
-    with pytest.raises(EtcdUncertain, match="still unknown"):
-        await Ownership(_LostAnswer(unchanged), KEYS).move(CUR, "host-b", State.RESTORING)
+    lost = _LostAnswer(unchanged)
+    with pytest.raises(EtcdUncertain, match="after 3 tries"):
+        await Ownership(lost, KEYS).move(CUR, "host-b", State.RESTORING)
+    assert lost.txns == 3  # still as read each time: sent again (the compare makes it safe)
     assert await Ownership(_LostAnswer(None), KEYS).delete(CUR, host_lease=1) is None
 
 
@@ -113,3 +118,47 @@ def test_a_loser_learns_which_guard_failed() -> None:
     create = plan_create(KEYS, REC, host_lease=77)
     with pytest.raises(OwnershipConflict, match="already exists"):
         outcome(create, wire.TxnResult(50, False, (_range(same), _range(host_ok))))
+
+
+class _LateLanding:
+    """The first copy's answer is lost and the read-back still sees the record as read, so
+    it is sent again; the first copy then lands, the second loses its compare, and the
+    read-back finds our record: success, applied once."""
+
+    def __init__(self, landed: wire.KeyValue) -> None:
+        self.landed, self.txns, self.reads = landed, 0, 0
+
+    async def txn(self, compares, success, failure):
+        self.txns += 1
+        if self.txns == 1:
+            raise EtcdUncertain("lost")
+        return wire.TxnResult(41, False, (_range(self.landed),))
+
+    async def get(self, key):
+        self.reads += 1
+        return wire.KeyValue(b"k", REC.encode(), 1, 40, 1, 0) if self.reads == 1 \
+            else self.landed
+
+
+async def test_a_late_landing_copy_is_found_not_applied_twice() -> None:
+    moved = REC.moved_to("host-b", State.RESTORING)
+    client = _LateLanding(wire.KeyValue(b"k", moved.encode(), 1, 41, 2, 0))
+    assert await Ownership(client, KEYS).move(CUR, "host-b", State.RESTORING) \
+        == Versioned(moved, 41)
+    assert client.txns == 2 and client.reads == 1
+
+
+async def test_a_resent_plan_that_loses_a_guard_reports_the_guard() -> None:
+    """Resent after a lost answer, the copy fails on a guard (record as read): that is a
+    definite no, not 'unknown'."""
+    class Deposed(_LateLanding):
+        async def txn(self, compares, success, failure):
+            self.txns += 1
+            if self.txns == 1:
+                raise EtcdUncertain("lost")
+            return wire.TxnResult(41, False, (_range(wire.KeyValue(b"k", REC.encode(), 1, 40,
+                                                                   1, 0)),))
+    plan_guard = ({"key": "eA==", "target": "CREATE", "result": "EQUAL",
+                   "create_revision": "3"},)
+    with pytest.raises(OwnershipConflict, match="guard failed"):
+        await Ownership(Deposed(None), KEYS).move(CUR, "host-b", State.RESTORING, plan_guard)
