@@ -8,7 +8,8 @@ DATA_DIR ?=
 SERVE_ARGS := --config $(CONFIG) $(if $(LISTEN),--listen $(LISTEN)) $(if $(DATA_DIR),--data-dir $(DATA_DIR))
 PYTEST_ARGS ?=
 
-.PHONY: setup host-packages venv images test-images run test test-unit test-e2e test-firecracker \
+.PHONY: setup host-packages venv images test-images run test test-unit test-e2e test-cluster \
+        test-firecracker \
         kernel-firecracker bench chaos lint clean
 
 setup: host-packages venv
@@ -52,6 +53,10 @@ test-unit: setup
 
 test-e2e: setup test-images
 	$(BIN)/python -m pytest tests/e2e $(PYTEST_ARGS)
+
+# The cluster foundation against a real 3-member etcd in network namespaces (docs/cluster.md).
+test-cluster: setup
+	$(BIN)/python -m pytest tests/cluster -s $(PYTEST_ARGS)
 
 # Opt-in: compiles a Firecracker-ready vmlinux from Debian's linux-source (minutes).
 kernel-firecracker: setup

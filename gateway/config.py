@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.cluster.config import ClusterConfig
 from gateway.tenancy.quotas import TenancyConfig
 from gateway.sandbox.resources import ResourcesConfig
 from vmctl.backend import FirecrackerConfig, VMConfig
@@ -164,6 +165,7 @@ class Config:
     pool: PoolConfig = field(default_factory=PoolConfig)  # gateway.sandbox.warm_pool
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)  # gateway.sandbox.resources
     build: BuildConfig = field(default_factory=BuildConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # gateway.cluster, off
 
 
 def _section(cls: type, data: dict[str, Any], name: str) -> Any:
@@ -186,7 +188,7 @@ def load(path: Path | None = None, **overrides: Any) -> Config:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
     unknown = set(raw) - {"server", "sandbox", "vm", "network", "firecracker", "confine",
-                          "tenancy", "pool", "resources", "build"}
+                          "tenancy", "pool", "resources", "build", "cluster"}
     if unknown:
         raise ConfigError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}")
     server_raw = dict(raw.get("server", {}))
@@ -203,4 +205,5 @@ def load(path: Path | None = None, **overrides: Any) -> Config:
                   tenancy=_section(TenancyConfig, raw.get("tenancy", {}), "tenancy"),
                   pool=_section(PoolConfig, raw.get("pool", {}), "pool"),
                   resources=_section(ResourcesConfig, raw.get("resources", {}), "resources"),
-                  build=_section(BuildConfig, raw.get("build", {}), "build"))
+                  build=_section(BuildConfig, raw.get("build", {}), "build"),
+                  cluster=_section(ClusterConfig, raw.get("cluster", {}), "cluster"))

@@ -9,6 +9,7 @@ PACKAGES=(
   python3 python3-venv             # the daemon's virtualenv
   ca-certificates
   chromium wrk nginx-light         # browser e2e test (headless); bench/proxy.py (wrk, nginx)
+  etcd-server                      # [cluster]: placement, ownership, host leases (etcd v3)
 )
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -24,6 +24,7 @@ from gateway.http import (
     metrics,
     openapi,
 )
+from gateway.cluster import node as cluster_node
 from gateway.store import at_rest
 from gateway.sandbox import warm_pool
 from gateway.preview import hosts, terminal
@@ -182,12 +183,18 @@ async def _serve(app: web.Application, config: Config,
     await reconcile(service)
     service.start()
     build_routes.attach(app, config, service)  # Dockerfile builds; built-ins still missing
-    log.info("agentbox ready on http://%s, dashboard at /dashboard (vmm %s/%s; templates: %s)",
-             config.server.listen, backend.driver_name, backend.accel.value,
-             ", ".join(sorted(goldens)) or "none")
+    node = None
     try:
+        # [cluster] (docs/cluster.md): off by default, and then nothing is created.
+        node = await cluster_node.start_if_enabled(
+            config.cluster, lambda: [(r.state, r.vcpus) for r in registry.list()])
+        log.info("agentbox ready on http://%s, dashboard at /dashboard (vmm %s/%s; "
+                 "templates: %s)", config.server.listen, backend.driver_name, backend.accel.value,
+                 ", ".join(sorted(goldens)) or "none")
         yield
     finally:
+        if node is not None:
+            await node.aclose()
         await build_routes.detach(app, service)
         await service.aclose()
 

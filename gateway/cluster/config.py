@@ -1,0 +1,81 @@
+"""``[cluster]`` in agentbox.toml: off by default, so one host runs exactly as before.
+
+On, it names the etcd cluster (``endpoints``), this host (``host``, a DNS label unique in
+the fleet) and where other hosts reach this host's gateway (``advertise``). Every bad value
+fails start-up with the field's name (gateway.config wraps it as ``[cluster]: ...``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from gateway.cluster.keys import Keys, check_host_name
+
+_HOSTPORT = re.compile(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):(\d{1,5})")
+
+
+def _check_endpoint(url: object) -> str:
+    if not isinstance(url, str):
+        raise ValueError(f"endpoints: {url!r} is not a string")
+    parts = urlsplit(url)
+    if parts.scheme != "http":
+        raise ValueError(f"endpoints: {url!r} must be http://HOST:PORT (TLS to etcd is not "
+                         "supported yet)")
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"endpoints: {url!r} has a bad port") from exc
+    if not parts.hostname or port is None or parts.path not in ("", "/") or parts.query:
+        raise ValueError(f"endpoints: {url!r} must be http://HOST:PORT and nothing more")
+    return url.rstrip("/")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    enabled: bool = False
+    endpoints: tuple[str, ...] = ()  # etcd client URLs, e.g. "http://10.0.0.1:2379"
+    host: str = ""  # this host's name in the fleet (a DNS label)
+    advertise: str = ""  # HOST:PORT where other hosts reach this gateway
+    lease_ttl: int = 5  # seconds without a renewal before the host counts as dead
+    timeout: float = 5.0  # seconds for one etcd call, across every endpoint it tries
+    key_prefix: str = "/agentbox"  # every key lives under it (fleets sharing one etcd)
+    placement_choices: int = 2  # best-of-K (gateway.cluster.placement)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ValueError("enabled must be true or false")
+        if isinstance(self.endpoints, str) or not isinstance(self.endpoints, (list, tuple)):
+            raise ValueError("endpoints must be a list of http://HOST:PORT strings")
+        object.__setattr__(self, "endpoints",
+                           tuple(_check_endpoint(e) for e in self.endpoints))
+        if not isinstance(self.lease_ttl, int) or isinstance(self.lease_ttl, bool) \
+                or not 2 <= self.lease_ttl <= 300:
+            raise ValueError(f"lease_ttl must be an integer from 2 to 300, not "
+                             f"{self.lease_ttl!r}")
+        if not isinstance(self.timeout, (int, float)) or not 0 < self.timeout <= 60:
+            raise ValueError(f"timeout must be > 0 and <= 60 seconds, not {self.timeout!r}")
+        if not isinstance(self.placement_choices, int) or self.placement_choices < 1:
+            raise ValueError("placement_choices must be an integer >= 1")
+        try:
+            Keys(self.key_prefix)
+        except ValueError as exc:
+            raise ValueError(f"key_prefix: {exc}") from exc
+        if self.enabled:
+            self._check_enabled()
+
+    def _check_enabled(self) -> None:
+        if not self.endpoints:
+            raise ValueError("endpoints must list at least one etcd member when enabled")
+        try:
+            check_host_name(self.host)
+        except ValueError as exc:
+            raise ValueError(f"host: {exc}") from exc
+        match = _HOSTPORT.fullmatch(self.advertise) if isinstance(self.advertise, str) else None
+        if not match or not 0 < int(match.group(2)) < 65536:
+            raise ValueError(f"advertise must be HOST:PORT, not {self.advertise!r}")
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.key_prefix)

@@ -1,0 +1,69 @@
+"""Where everything lives in etcd: the one place that spells a key.
+
+    {prefix}/hosts/{host}            HostRecord JSON, on the host's lease (gone when it dies)
+    {prefix}/sandboxes/{sandbox_id}  SandboxRecord JSON {host, state, snapshot, gen}
+    {prefix}/elections/{name}        etcd election keys (the reaper, later)
+
+``prefix`` defaults to ``/agentbox``; tests and fleets sharing one etcd give each their own.
+Names are checked here so a key can never be made to escape its directory.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from gateway.cluster.wire import prefix_end
+
+_NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
+_SANDBOX_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
+_PREFIX = re.compile(r"(/[A-Za-z0-9._-]+)+")
+
+
+def check_host_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"host name must be a DNS label ([a-z0-9-], 1-63), not {name!r}")
+    return name
+
+
+def check_sandbox_id(sandbox_id: str) -> str:
+    if not isinstance(sandbox_id, str) or not _SANDBOX_ID.fullmatch(sandbox_id):
+        raise ValueError(f"bad sandbox id {sandbox_id!r}")
+    return sandbox_id
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = "/agentbox"
+
+    def __post_init__(self) -> None:
+        if not _PREFIX.fullmatch(self.prefix):
+            raise ValueError(f"key prefix must look like /name[/name...], not {self.prefix!r}")
+
+    @property
+    def hosts(self) -> str:
+        return f"{self.prefix}/hosts/"
+
+    def host(self, name: str) -> str:
+        return self.hosts + check_host_name(name)
+
+    @property
+    def sandboxes(self) -> str:
+        return f"{self.prefix}/sandboxes/"
+
+    def sandbox(self, sandbox_id: str) -> str:
+        return self.sandboxes + check_sandbox_id(sandbox_id)
+
+    def election(self, name: str) -> str:
+        return f"{self.prefix}/elections/{check_host_name(name)}"
+
+    @staticmethod
+    def range_end(directory: str) -> bytes:
+        return prefix_end(directory)
+
+    def name_in(self, directory: str, key: bytes) -> str:
+        """The last component of ``key`` under ``directory`` (``hosts`` or ``sandboxes``)."""
+        text = key.decode()
+        if not text.startswith(directory):
+            raise ValueError(f"{text!r} is not under {directory!r}")
+        return text[len(directory):]

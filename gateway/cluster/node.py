@@ -1,0 +1,161 @@
+"""This daemon as a member of the fleet: the one owner of everything cluster-related.
+
+The app starts a ``ClusterNode`` only when ``[cluster] enabled = true`` (gateway.http.app);
+without it nothing here runs and one host is exactly as before. Started, the node joins (its
+host record on a lease), republishes its load when it changes, keeps a route cache of the
+fleet, and records when it is fenced. It does not route, place or take over anything yet
+(docs/cluster.md, "Not built yet"), so a fenced node only says so in its log.
+
+Start-up fails if etcd cannot be reached or the host name is held: a fleet member that
+silently runs alone is worse than one that does not start. A restart soon after a crash
+finds its own previous record still on the old lease; it waits one TTL for that to expire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from gateway.cluster.config import ClusterConfig
+from gateway.cluster.errors import ClusterError, Fenced
+from gateway.cluster.etcd import EtcdClient
+from gateway.cluster.membership import HostNameTaken, Membership, MemberState
+from gateway.cluster.records import HostRecord
+from gateway.cluster.routes import RouteCache
+from gateway.sandbox.states import State
+from gateway.tenancy.quotas import usage_of
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Load:
+    total_mib: int
+    free_mib: int
+    total_vcpus: int
+    free_vcpus: int
+    awake: int
+
+
+def parse_meminfo(text: str) -> tuple[int, int]:
+    """(MemTotal, MemAvailable) in MiB from /proc/meminfo's text; 0 when missing."""
+    values = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        if name in ("MemTotal", "MemAvailable") and rest.split():
+            values[name] = int(rest.split()[0]) // 1024
+    return values.get("MemTotal", 0), values.get("MemAvailable", 0)
+
+
+def load_of(meminfo: str, cpus: int, sandboxes: list[tuple[State, int]]) -> Load:
+    """The load a host publishes (no I/O): RAM from meminfo, vCPUs left after the awake
+    sandboxes' (``sandboxes``: each one's state and vCPUs), and how many are awake."""
+    total, free = parse_meminfo(meminfo)
+    usage = usage_of(state for state, _ in sandboxes)
+    awake_vcpus = sum(v for state, v in sandboxes if usage_of([state]).awake)
+    return Load(total, free, cpus, max(0, cpus - awake_vcpus), usage.awake)
+
+
+class ClusterNode:
+    def __init__(self, config: ClusterConfig, load: Callable[[], Load], *,
+                 publish_every: float = 5.0) -> None:
+        if not config.enabled:
+            raise ValueError("ClusterNode needs [cluster] enabled = true")
+        self.config, self.load, self.publish_every = config, load, publish_every
+        self.keys = config.keys
+        self.client = EtcdClient(config.endpoints, timeout=config.timeout)
+        self.membership: Membership | None = None
+        self.routes = RouteCache(self.client, self.keys)
+        self.fenced: str | None = None
+        self._publisher: asyncio.Task[None] | None = None
+
+    def __repr__(self) -> str:
+        return f"<ClusterNode {self.config.host} {self.membership!r}>"
+
+    def record(self) -> HostRecord:
+        load = self.load()
+        return HostRecord(self.config.host, self.config.advertise, load.total_mib,
+                          load.free_mib, load.total_vcpus, load.free_vcpus, load.awake)
+
+    async def start(self) -> None:
+        """Join, list the fleet, start publishing. Raises ClusterError (cleaned up)."""
+        try:
+            await self._join()
+            await self.routes.start()
+        except BaseException:
+            await self.aclose()
+            raise
+        self._publisher = asyncio.create_task(self._publish_loop(),
+                                              name=f"cluster-publish:{self.config.host}")
+        log.info("cluster: %s joined via %s (lease ttl %d s)", self.config.host,
+                 ", ".join(self.config.endpoints), self.config.lease_ttl)
+
+    async def _join(self) -> None:
+        for attempt in range(2):
+            self.membership = Membership(self.client, self.keys, self.record(),
+                                         self.config.lease_ttl, self._on_fenced)
+            try:
+                await self.membership.join()
+                return
+            except HostNameTaken:
+                if attempt:
+                    raise
+                log.warning("cluster: host name %s is held (our own record from before a "
+                            "restart?); waiting one lease TTL", self.config.host)
+                await asyncio.sleep(self.config.lease_ttl + 1)
+
+    def _on_fenced(self, reason: str) -> None:
+        self.fenced = reason
+        log.error("cluster: %s is fenced (%s): it must not act as an owner", self.config.host,
+                  reason)
+
+    async def _publish_loop(self) -> None:
+        membership = self.membership
+        assert membership is not None
+        while membership.state is MemberState.SERVING:
+            await asyncio.sleep(self.publish_every)
+            try:
+                record = self.record()
+                if record != membership.record:
+                    await membership.publish(record)
+            except Fenced:
+                return
+            except ClusterError as exc:
+                log.warning("cluster: publishing %s's load failed: %s", self.config.host, exc)
+            except Exception:
+                log.exception("cluster: measuring %s's load failed", self.config.host)
+
+    async def aclose(self) -> None:
+        """Idempotent: stop publishing, stop the route cache, leave (revoking the lease, so
+        the record goes at once), close the client."""
+        task, self._publisher = self._publisher, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task}, timeout=2.0)
+        await self.routes.aclose()
+        if self.membership is not None:
+            await self.membership.aclose()
+        await self.client.aclose()
+
+
+def daemon_load(list_sandboxes: Callable[[], list[tuple[State, int]]],
+                meminfo: Path = Path("/proc/meminfo")) -> Callable[[], Load]:
+    """The daemon's load source: /proc/meminfo, the CPU count, and its sandboxes."""
+    def measure() -> Load:
+        return load_of(meminfo.read_text(), os.cpu_count() or 1, list_sandboxes())
+    return measure
+
+
+async def start_if_enabled(config: ClusterConfig,
+                           list_sandboxes: Callable[[], list[tuple[State, int]]]
+                           ) -> ClusterNode | None:
+    """The app's one call: None when ``[cluster]`` is off (nothing is created)."""
+    if not config.enabled:
+        return None
+    node = ClusterNode(config, daemon_load(list_sandboxes))
+    await node.start()
+    return node

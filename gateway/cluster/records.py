@@ -1,0 +1,90 @@
+"""The values stored under gateway.cluster.keys: frozen dataclasses <-> bounded JSON.
+
+A record that fails to parse is a ``ProtocolError`` (someone else's bug or a newer
+version's record), never a crash deep in the caller.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from gateway.cluster.errors import ProtocolError
+from gateway.cluster.keys import check_host_name, check_sandbox_id
+from gateway.sandbox.states import State
+
+MAX_RECORD_BYTES = 16 << 10
+
+
+@dataclass(frozen=True)
+class HostRecord:
+    """A live host and what it has free, published on its lease (placement reads it)."""
+
+    name: str
+    address: str  # where other hosts reach this host's gateway: HOST:PORT
+    total_mib: int = 0
+    free_mib: int = 0
+    total_vcpus: int = 0
+    free_vcpus: int = 0
+    awake: int = 0  # sandboxes running or paused (holding RAM)
+
+    def __post_init__(self) -> None:
+        check_host_name(self.name)
+        if not isinstance(self.address, str) or not self.address or len(self.address) > 255:
+            raise ValueError("address must be a non-empty HOST:PORT")
+        for name in ("total_mib", "free_mib", "total_vcpus", "free_vcpus", "awake"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, not {value!r}")
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> HostRecord:
+        return _decode(cls, raw)
+
+
+@dataclass(frozen=True)
+class SandboxRecord:
+    """Who owns a sandbox. ``gen`` goes up by one every time it changes hands: a write
+    conditioned on an older generation (or mod revision) fails, which fences a stale owner."""
+
+    id: str
+    host: str
+    state: State
+    gen: int = 1
+    snapshot: str = ""  # where its suspended files are (object store URL), "" = local only
+
+    def __post_init__(self) -> None:
+        check_sandbox_id(self.id)
+        check_host_name(self.host)
+        if not isinstance(self.state, State):
+            object.__setattr__(self, "state", State(self.state))
+        if not isinstance(self.gen, int) or isinstance(self.gen, bool) or self.gen < 1:
+            raise ValueError(f"gen must be an integer >= 1, not {self.gen!r}")
+        if not isinstance(self.snapshot, str) or len(self.snapshot) > 2048:
+            raise ValueError("snapshot must be a string of at most 2048 characters")
+
+    def moved_to(self, host: str, state: State) -> SandboxRecord:
+        return replace(self, host=host, state=state, gen=self.gen + 1)
+
+    def encode(self) -> bytes:
+        return json.dumps({**asdict(self), "state": self.state.value}, sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> SandboxRecord:
+        return _decode(cls, raw)
+
+
+def _decode(cls: Any, raw: bytes) -> Any:
+    if len(raw) > MAX_RECORD_BYTES:
+        raise ProtocolError(f"{cls.__name__} over {MAX_RECORD_BYTES} bytes")
+    try:
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise TypeError("not an object")
+        return cls(**data)
+    except (ValueError, TypeError) as exc:
+        raise ProtocolError(f"bad {cls.__name__}: {exc}") from exc
