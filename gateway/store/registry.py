@@ -14,16 +14,20 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import secrets
 import socket
 import sqlite3
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gateway.store import at_rest
 from gateway.sandbox.states import Event, State, next_state
+
+log = logging.getLogger(__name__)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS api_keys (
@@ -123,6 +127,9 @@ class Registry:
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.executescript(SCHEMA)
         self._migrate()
+        # Called with (sandbox id, new state) after each committed insert or transition
+        # (the cluster's record publisher, gateway.cluster.publisher); none by default.
+        self.observers: list[Callable[[str, State], None]] = []
 
     def _migrate(self) -> None:
         """Bring a database made by an older daemon up to SCHEMA (columns added since)."""
@@ -196,6 +203,7 @@ class Registry:
         with self._tx():
             self._db.execute(f"INSERT INTO sandboxes ({cols}) VALUES ({marks})", list(row.values()))
             self._log(rec.id, None, rec.state, "insert", "created by API")
+        self._notify(rec.id, rec.state)
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:
         row = self._db.execute("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
@@ -228,7 +236,15 @@ class Registry:
             self._log(sandbox_id, rec.state, new, event.value, cause)
         out = self.get(sandbox_id)
         assert out is not None
+        self._notify(sandbox_id, out.state)
         return out
+
+    def _notify(self, sandbox_id: str, state: State) -> None:
+        for observer in self.observers:
+            try:
+                observer(sandbox_id, state)
+            except Exception:  # an observer's bug must not undo a committed transition
+                log.exception("registry observer %r failed for %s", observer, sandbox_id)
 
     def update(self, sandbox_id: str, **updates: Any) -> None:
         with self._tx():
