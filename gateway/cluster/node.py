@@ -25,8 +25,6 @@ from gateway.cluster.config import ClusterConfig
 from gateway.cluster.errors import ClusterError, Fenced
 from gateway.cluster.etcd import EtcdClient
 from gateway.cluster.membership import HostNameTaken, Membership, MemberState
-from gateway.cluster.ownership import Ownership
-from gateway.cluster.publisher import Publisher
 from gateway.cluster.records import HostRecord
 from gateway.cluster.routes import RouteCache
 from gateway.sandbox.states import State
@@ -74,6 +72,11 @@ class ClusterNode:
         self.membership: Membership | None = None
         self.routes = RouteCache(self.client, self.keys)
         self.fenced: str | None = None
+        # Imported here: with [cluster] off the daemon imports no more of the cluster than
+        # before routing existed (tests/unit/test_cluster_forward.py checks).
+        from gateway.cluster.ownership import Ownership
+        from gateway.cluster.publisher import Publisher
+
         self.publisher = Publisher(Ownership(self.client, self.keys), config.host,
                                    self._lease, timeout=config.timeout)
         self.local: Callable[[], list[tuple[str, State]]] = list

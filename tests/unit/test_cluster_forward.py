@@ -163,3 +163,30 @@ async def test_a_silent_owner_times_out_within_the_bound() -> None:
     finally:
         await server_b.close()
         stall.close()
+
+
+def test_the_middleware_is_installed_only_with_cluster_on() -> None:
+    import dataclasses
+    import subprocess
+    import sys
+
+    from gateway.cluster.config import ClusterConfig
+    from gateway.config import load
+    from gateway.http import cluster_forward
+    from gateway.http.app import build_app
+
+    off = load(None)
+    assert cluster_forward.cluster_middleware not in build_app(off).middlewares
+    on = dataclasses.replace(off, cluster=ClusterConfig(
+        enabled=True, endpoints=("http://127.0.0.1:2379",), host="host-a",
+        advertise="127.0.0.1:8080"))
+    assert cluster_forward.cluster_middleware in build_app(on).middlewares
+    # Off, the daemon does not even import the routing modules.
+    probe = ("import sys; from gateway.config import load; from gateway.http.app import "
+             "build_app; build_app(load(None)); print(sorted(m for m in sys.modules if m in "
+             "('gateway.http.cluster_forward', 'gateway.preview.forward', "
+             "'gateway.cluster.routing', 'gateway.cluster.publisher', "
+             "'gateway.cluster.ownership')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"
