@@ -143,9 +143,12 @@ async def test_dead_or_unreachable_owners_are_unavailable(fleet) -> None:
 
 
 async def test_a_silent_owner_times_out_within_the_bound() -> None:
+    done = asyncio.Event()
+
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await asyncio.sleep(30)
+        await done.wait()  # accepts, never answers
         writer.close()
+        await writer.wait_closed()
 
     stall = await asyncio.start_server(silent, "127.0.0.1", 0)
     port = stall.sockets[0].getsockname()[1]
@@ -162,7 +165,9 @@ async def test_a_silent_owner_times_out_within_the_bound() -> None:
             assert asyncio.get_running_loop().time() - t0 < 3
     finally:
         await server_b.close()
+        done.set()
         stall.close()
+        await stall.wait_closed()
 
 
 def test_the_middleware_is_installed_only_with_cluster_on() -> None:
