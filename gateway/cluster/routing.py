@@ -70,6 +70,18 @@ def decide(sandbox_id: str, route: Route | None, self_host: str, *,
     return Forward(route.host, route.address, route.gen)
 
 
+def client_of(forwarded_by: str | None, remote: str | None, forwarded_for: str,
+              fleet: set[str]) -> str | None:
+    """The client's address of a request another fleet host forwarded (its last
+    ``X-Forwarded-For`` entry, which the forwarder appended), so per-address rate limits
+    count the client, not the forwarder. None unless the peer is a live host's address:
+    anyone can send the headers, only the fleet is believed."""
+    if forwarded_by is None or remote is None or remote not in fleet:
+        return None
+    last = forwarded_for.rsplit(",", 1)[-1].strip()
+    return last or None
+
+
 def sandbox_in_path(path: str) -> str | None:
     """The sandbox id of an API path under ``/v1/sandboxes/{id}`` (None for others)."""
     m = _SANDBOX_PATH.fullmatch(path)

@@ -63,9 +63,9 @@ async def cluster_middleware(request: web.Request, handler: Handler) -> web.Stre
             raise HostFenced(f"host {node.config.host} is fenced ({node.fenced}): it "
                              "creates no sandboxes until it rejoins the fleet")
         return await handler(request)
+    forwarded_by = request.headers.get(routing.HOP_HEADER)
     decision = routing.decide(sandbox_id, node.routes.route(sandbox_id), node.config.host,
-                              forwarded_by=request.headers.get(routing.HOP_HEADER),
-                              fenced=node.fenced)
+                              forwarded_by=forwarded_by, fenced=node.fenced)
     try:
         if isinstance(decision, routing.Forward):
             return await request.app[FORWARDER_KEY].forward(request, decision.host,
@@ -76,7 +76,10 @@ async def cluster_middleware(request: web.Request, handler: Handler) -> web.Stre
         if not on_host:
             raise
         return hosts.error_page(request, exc.status, exc.code, str(exc), exc.headers)
-    return await handler(request)
+    client = routing.client_of(forwarded_by, request.remote,
+                               request.headers.get("X-Forwarded-For", ""),
+                               node.routes.addresses())
+    return await handler(request.clone(remote=client) if client else request)
 
 
 def attach(app: web.Application, node: ClusterNode, forwarder: Forwarder) -> None:

@@ -27,6 +27,12 @@ class FakeRoutes:
     def route(self, sandbox_id: str) -> Route | None:
         return self.table.get(sandbox_id)
 
+    def addresses(self) -> set[str]:
+        return {r.address.rsplit(":", 1)[0] for r in self.table.values() if r.address} | \
+            self.fleet
+
+    fleet: set[str] = field(default_factory=set)  # more live hosts' IPs
+
 
 @dataclass
 class FakeNode:
@@ -78,7 +84,7 @@ def build(node: Any, sandboxes: set[str], timeout: float = 5.0) -> web.Applicati
             "X-Served-By": node.config.host, "X-Sandbox": sandbox_id,
             "X-Seen-Host": request.headers.get("Host", ""),
             "X-Seen-Hop": request.headers.get("X-AgentBox-Forwarded", ""),
-            "X-Seen-Path": request.path_qs})
+            "X-Seen-Path": request.path_qs, "X-Seen-Remote": request.remote or ""})
         await resp.prepare(request)
         async for chunk in request.content.iter_any():  # streamed back as it arrives
             await resp.write(chunk)

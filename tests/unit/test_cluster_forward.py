@@ -42,7 +42,7 @@ async def fleet() -> AsyncIterator[tuple[FakeNode, FakeNode, TestServer, TestSer
 
 
 async def test_http_is_forwarded_with_its_headers_and_a_streamed_body(fleet) -> None:
-    _, _, _, server_b = fleet
+    _, _, server_a, server_b = fleet
     sent = [b"x" * 65536 for _ in range(32)]  # 2 MiB, sent chunk by chunk
 
     async def body() -> AsyncIterator[bytes]:
@@ -60,6 +60,13 @@ async def test_http_is_forwarded_with_its_headers_and_a_streamed_body(fleet) -> 
             assert resp.headers["X-Seen-Host"] == f"127.0.0.1:{server_b.port}"  # kept
             assert resp.headers["X-Seen-Path"] == "/v1/sandboxes/sbx1/files?path=/a%20b"
             assert got == b"".join(sent)
+        # At the owner, a fleet host's forwarded request counts as its client's for the
+        # per-address limits (the last X-Forwarded-For entry); nobody else is believed.
+        for extra, remote in (({"X-AgentBox-Forwarded": "host-b"}, "203.0.113.9"),
+                              ({}, "127.0.0.1")):
+            async with http.get(server_a.make_url("/v1/sandboxes/sbx1"), headers={
+                    **AUTH, **extra, "X-Forwarded-For": "198.51.100.1, 203.0.113.9"}) as resp:
+                assert resp.headers["X-Seen-Remote"] == remote
         # The owner authenticates: a bad key is refused there, its answer relayed as is.
         async with http.get(server_b.make_url("/v1/sandboxes/sbx1"),
                             headers={"Authorization": "Bearer nope"}) as resp:

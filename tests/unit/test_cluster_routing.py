@@ -7,7 +7,9 @@ import pytest
 
 from gateway.cluster.records import SandboxRecord
 from gateway.cluster.routes import Route
-from gateway.cluster.routing import Forward, Refuse, ServeHere, decide, sandbox_in_path
+from gateway.cluster.routing import (
+    Forward, Refuse, ServeHere, client_of, decide, sandbox_in_path,
+)
 from gateway.sandbox.states import State
 
 
@@ -62,3 +64,12 @@ def test_an_owner_without_a_record_is_unavailable_not_served_here() -> None:
 ])
 def test_which_sandbox_an_api_path_is_for(path: str, expected: str | None) -> None:
     assert sandbox_in_path(path) == expected
+
+
+def test_only_a_fleet_host_is_believed_about_its_client() -> None:
+    fleet = {"10.0.0.2", "10.0.0.3"}
+    assert client_of("host-b", "10.0.0.2", "1.2.3.4, 5.6.7.8", fleet) == "5.6.7.8"
+    assert client_of(None, "10.0.0.2", "5.6.7.8", fleet) is None  # not forwarded
+    assert client_of("host-b", "9.9.9.9", "5.6.7.8", fleet) is None  # not a fleet host
+    assert client_of("host-b", "10.0.0.2", "", fleet) is None
+    assert client_of("host-b", None, "5.6.7.8", fleet) is None
