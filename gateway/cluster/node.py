@@ -125,7 +125,17 @@ class ClusterNode:
     def publish_local(self, local: Callable[[], list[tuple[str, State]]]) -> None:
         """Publish every sandbox ``local()`` lists, now and after each rejoin."""
         self.local = local
-        self.publisher.sync(local())
+        self._sync()
+
+    def _sync(self) -> None:
+        """Note every local sandbox, and DESTROYED for records naming this host that it
+        no longer has (destroyed while the daemon was down), as the route cache lists."""
+        local = self.local()
+        have = {sandbox_id for sandbox_id, _ in local}
+        gone = [(sandbox_id, State.DESTROYED) for sandbox_id, record
+                in list(self.routes.table.sandboxes.items())
+                if record.host == self.config.host and sandbox_id not in have]
+        self.publisher.sync([*local, *gone])
 
     def _on_fenced(self, reason: str) -> None:
         self.fenced = reason
@@ -154,7 +164,7 @@ class ClusterNode:
             if task is None or task.done():
                 self._publisher = asyncio.create_task(
                     self._publish_loop(), name=f"cluster-publish:{self.config.host}")
-            self.publisher.sync(self.local())
+            self._sync()
             self.fenced = None
             log.warning("cluster: %s rejoined the fleet (lease %x)", self.config.host,
                         self._lease())

@@ -202,3 +202,23 @@ def test_the_middleware_is_installed_only_with_cluster_on() -> None:
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"
+
+
+async def test_a_node_deletes_records_of_sandboxes_it_no_longer_has() -> None:
+    from gateway.cluster.config import ClusterConfig
+    from gateway.cluster.node import ClusterNode, Load
+
+    node = ClusterNode(ClusterConfig(enabled=True, endpoints=("http://127.0.0.1:1",),
+                                     host="host-a", advertise="127.0.0.1:8080"),
+                       lambda: Load(1, 1, 1, 1, 0))
+    noted: list[tuple[str, State]] = []
+    node.publisher.sync = lambda items: noted.extend(items)  # type: ignore[method-assign]
+    table = node.routes.table
+    for sandbox_id, host in (("kept", "host-a"), ("gone", "host-a"), ("theirs", "host-b")):
+        table.sandboxes[sandbox_id] = SandboxRecord(sandbox_id, host, State.RUNNING)
+    try:
+        node.publish_local(lambda: [("kept", State.SUSPENDED), ("new", State.RUNNING)])
+        assert noted == [("kept", State.SUSPENDED), ("new", State.RUNNING),
+                         ("gone", State.DESTROYED)]
+    finally:
+        await node.aclose()
