@@ -52,6 +52,26 @@ class Unavailable(ApiError):
     code = "unavailable"
 
 
+class HostFenced(Unavailable):
+    """This host lost its cluster lease: it serves none of its sandboxes until it rejoins
+    (gateway.cluster.routing)."""
+
+    code = "host_fenced"
+
+
+class OwnerUnavailable(Unavailable):
+    """The sandbox's owner (another host) is not live or cannot be reached."""
+
+    code = "owner_unavailable"
+
+
+class ForwardLoop(ApiError):
+    """A forwarded request would be forwarded again: the hosts' route caches disagree."""
+
+    status = 508
+    code = "forward_loop"
+
+
 class SandboxNotFound(NotFound):
     code = "sandbox_not_found"
 
@@ -172,4 +192,8 @@ ERROR_CODES: dict[str, str] = {
     "builds_unavailable": "template builds are not available on this host",
     "unavailable": "the host is busy; see Retry-After",
     "no_space": "the sandbox's disk is full",
+    # many hosts ([cluster], docs/cluster.md)
+    "host_fenced": "this host lost its cluster lease; it serves no sandboxes until it rejoins",
+    "owner_unavailable": "the sandbox's owner host is not live or cannot be reached; retry",
+    "forward_loop": "508: a forwarded request would be forwarded again (route caches disagree)",
 }

@@ -3,8 +3,9 @@
 The app starts a ``ClusterNode`` only when ``[cluster] enabled = true`` (gateway.http.app);
 without it nothing here runs and one host is exactly as before. Started, the node joins (its
 host record on a lease), republishes its load when it changes, keeps a route cache of the
-fleet, and records when it is fenced. It does not route, place or take over anything yet
-(docs/cluster.md, "Not built yet"), so a fenced node only says so in its log.
+fleet, publishes its sandboxes' records (``Publisher``), and when fenced stops acting as
+an owner (the routing middleware refuses its sandboxes with ``host_fenced``) and tries to
+rejoin with a new lease: once it has, it publishes every local sandbox again.
 
 Start-up fails if etcd cannot be reached or the host name is held: a fleet member that
 silently runs alone is worse than one that does not start. A restart soon after a crash
@@ -71,7 +72,19 @@ class ClusterNode:
         self.membership: Membership | None = None
         self.routes = RouteCache(self.client, self.keys)
         self.fenced: str | None = None
+        # Imported here: with [cluster] off the daemon imports no more of the cluster than
+        # before routing existed (tests/unit/test_cluster_forward.py checks).
+        from gateway.cluster.ownership import Ownership
+        from gateway.cluster.publisher import Publisher
+
+        self.publisher = Publisher(Ownership(self.client, self.keys), config.host,
+                                   self._lease, timeout=config.timeout)
+        self.local: Callable[[], list[tuple[str, State]]] = list
         self._publisher: asyncio.Task[None] | None = None
+        self._rejoiner: asyncio.Task[None] | None = None
+
+    def _lease(self) -> int:
+        return self.membership.lease if self.membership is not None else 0
 
     def __repr__(self) -> str:
         return f"<ClusterNode {self.config.host} {self.membership!r}>"
@@ -91,6 +104,7 @@ class ClusterNode:
             raise
         self._publisher = asyncio.create_task(self._publish_loop(),
                                               name=f"cluster-publish:{self.config.host}")
+        self.publisher.start()
         log.info("cluster: %s joined via %s (lease ttl %d s)", self.config.host,
                  ", ".join(self.config.endpoints), self.config.lease_ttl)
 
@@ -108,10 +122,54 @@ class ClusterNode:
                             "restart?); waiting one lease TTL", self.config.host)
                 await asyncio.sleep(self.config.lease_ttl + 1)
 
+    def publish_local(self, local: Callable[[], list[tuple[str, State]]]) -> None:
+        """Publish every sandbox ``local()`` lists, now and after each rejoin."""
+        self.local = local
+        self._sync()
+
+    def _sync(self) -> None:
+        """Note every local sandbox, and DESTROYED for records naming this host that it
+        no longer has (destroyed while the daemon was down), as the route cache lists."""
+        local = self.local()
+        have = {sandbox_id for sandbox_id, _ in local}
+        gone = [(sandbox_id, State.DESTROYED) for sandbox_id, record
+                in list(self.routes.table.sandboxes.items())
+                if record.host == self.config.host and sandbox_id not in have]
+        self.publisher.sync([*local, *gone])
+
     def _on_fenced(self, reason: str) -> None:
         self.fenced = reason
-        log.error("cluster: %s is fenced (%s): it must not act as an owner", self.config.host,
-                  reason)
+        log.error("cluster: %s is fenced (%s): it serves none of its sandboxes until it "
+                  "rejoins", self.config.host, reason)
+        if self._rejoiner is None:
+            self._rejoiner = asyncio.create_task(self._rejoin(),
+                                                 name=f"cluster-rejoin:{self.config.host}")
+
+    async def _rejoin(self, pause: float = 1.0) -> None:
+        """Fenced: a new lease and host record (retrying), then republish load and records.
+        What a reaper moved away meanwhile stays moved: the publisher never overwrites a
+        record another host holds."""
+        try:
+            old = self.membership
+            if old is not None:
+                await old.aclose()
+            while True:
+                try:
+                    await self._join()
+                    break
+                except ClusterError as exc:
+                    log.warning("cluster: %s cannot rejoin yet: %s", self.config.host, exc)
+                    await asyncio.sleep(pause)
+            task = self._publisher
+            if task is None or task.done():
+                self._publisher = asyncio.create_task(
+                    self._publish_loop(), name=f"cluster-publish:{self.config.host}")
+            self._sync()
+            self.fenced = None
+            log.warning("cluster: %s rejoined the fleet (lease %x)", self.config.host,
+                        self._lease())
+        finally:
+            self._rejoiner = None
 
     async def _publish_loop(self) -> None:
         membership = self.membership
@@ -132,10 +190,12 @@ class ClusterNode:
     async def aclose(self) -> None:
         """Idempotent: stop publishing, stop the route cache, leave (revoking the lease, so
         the record goes at once), close the client."""
-        task, self._publisher = self._publisher, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait({task}, timeout=2.0)
+        for task in (self._rejoiner, self._publisher):
+            if task is not None:
+                task.cancel()
+                await asyncio.wait({task}, timeout=2.0)
+        self._rejoiner = self._publisher = None
+        await self.publisher.aclose()
         await self.routes.aclose()
         if self.membership is not None:
             await self.membership.aclose()

@@ -117,6 +117,10 @@ class RouteCache:
     def route(self, sandbox_id: str) -> Route | None:
         return self.table.route(sandbox_id)
 
+    def addresses(self) -> set[str]:
+        """The IP (or name) part of every live host's advertised address."""
+        return {h.address.rsplit(":", 1)[0].strip("[]") for h in self.table.hosts.values()}
+
     async def start(self) -> None:
         """List at one revision, then watch from the next. Raises ClusterError when etcd
         cannot be listed (the caller retries or gives up)."""

@@ -107,9 +107,13 @@ def _warn_if_stale(image) -> None:  # type: ignore[no-untyped-def]
 
 
 def build_app(config: Config) -> web.Application:
+    routing: list[Any] = []
+    if config.cluster.enabled:  # forwarding to other hosts (docs/cluster.md); off: not imported
+        from gateway.http import cluster_forward
+        routing = cluster_forward.middlewares(config.cluster)
     app = web.Application(
         # Rate limits sit either side of auth (gateway.http.ratelimit): per address, then per key.
-        middlewares=[error_middleware, api_error_middleware, hosts.preview_middleware,
+        middlewares=[error_middleware, api_error_middleware, *routing, hosts.preview_middleware,
                      address_rate_middleware, auth_middleware, key_rate_middleware],
         client_max_size=config.server.max_json_bytes)
     app[CONFIG_KEY] = config
@@ -188,15 +192,36 @@ async def _serve(app: web.Application, config: Config,
         # [cluster] (docs/cluster.md): off by default, and then nothing is created.
         node = await cluster_node.start_if_enabled(
             config.cluster, lambda: [(r.state, r.vcpus) for r in registry.list()])
+        if node is not None:
+            _route_through(app, config, registry, node)
         log.info("agentbox ready on http://%s, dashboard at /dashboard (vmm %s/%s; "
                  "templates: %s)", config.server.listen, backend.driver_name, backend.accel.value,
                  ", ".join(sorted(goldens)) or "none")
         yield
     finally:
         if node is not None:
+            from gateway.http import cluster_forward
+
+            await cluster_forward.detach(app)
+            if node.publisher.changed in registry.observers:
+                registry.observers.remove(node.publisher.changed)
             await node.aclose()
         await build_routes.detach(app, service)
         await service.aclose()
+
+
+def _route_through(app: web.Application, config: Config, registry: Registry,
+                   node: cluster_node.ClusterNode) -> None:
+    """[cluster] on: publish this host's sandboxes and forward others' requests."""
+    from gateway.http import cluster_forward
+    from gateway.preview.forward import Forwarder
+
+    registry.observers.append(node.publisher.changed)
+    node.publish_local(lambda: [(r.id, r.state) for r in registry.list()])
+    server = config.server
+    cluster_forward.attach(app, node, Forwarder(
+        config.cluster.host, server.proxy_connect_timeout, server.proxy_read_timeout,
+        server.max_ws_message_bytes))
 
 
 def serve(config: Config) -> None:
@@ -209,7 +234,9 @@ def run(app: web.Application, config: Config) -> None:
     """Serve ``app`` on ``[server] listen`` until a signal (bench/gateway.py runs this too)."""
     import uvloop
 
-    if not config.server.fast_lane:
+    # The fast lane serves running sandboxes' previews without the middlewares, so it would
+    # bypass the cluster's fence and forwarding: off in a fleet (docs/cluster.md).
+    if not config.server.fast_lane or config.cluster.enabled:
         web.run_app(app, host=config.server.host, port=config.server.port,
                     loop=uvloop.new_event_loop(), print=None, **server_options(config))
         return

@@ -186,26 +186,7 @@ class Proxy:
 
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse,
                      target: Target) -> web.StreamResponse:
-        # A body that has already arrived in full goes out in the headers' write (one
-        # syscall instead of two: bench/gateway.py). Headers of a body still streaming are
-        # sent at once, so an SSE or long-poll client sees them before the first event.
-        cls = _OneWriteResponse if upstream.content.is_eof() else web.StreamResponse
-        resp = cls(status=upstream.status, reason=upstream.reason,
-                   headers=downstream_headers(upstream.headers, request.version))
-        if target.set_cookie:
-            resp.headers.add("Set-Cookie", target.set_cookie)
-        await resp.prepare(request)
-        try:
-            async for chunk in upstream.content.iter_any():
-                await resp.write(chunk)
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
-            log.info("%s: upstream broke mid-response (%r); closing the client connection",
-                     target.sandbox_id, exc)
-            if request.protocol is not None:
-                request.protocol.force_close()  # type: ignore[attr-defined]
-            return resp
-        await resp.write_eof()
-        return resp
+        return await relay(request, upstream, target.sandbox_id, target.set_cookie)
 
     # -- WebSockets -----------------------------------------------------------------
 
@@ -296,6 +277,31 @@ class Proxy:
 
 
 PROXY_KEY = web.AppKey("proxy", Proxy)
+
+
+async def relay(request: web.Request, upstream: aiohttp.ClientResponse, label: str,
+                set_cookie: str | None = None) -> web.StreamResponse:
+    """Stream ``upstream``'s response to the client (also the cluster's forwarder's)."""
+    # A body that has already arrived in full goes out in the headers' write (one
+    # syscall instead of two: bench/gateway.py). Headers of a body still streaming are
+    # sent at once, so an SSE or long-poll client sees them before the first event.
+    cls = _OneWriteResponse if upstream.content.is_eof() else web.StreamResponse
+    resp = cls(status=upstream.status, reason=upstream.reason,
+               headers=downstream_headers(upstream.headers, request.version))
+    if set_cookie:
+        resp.headers.add("Set-Cookie", set_cookie)
+    await resp.prepare(request)
+    try:
+        async for chunk in upstream.content.iter_any():
+            await resp.write(chunk)
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+        log.info("%s: upstream broke mid-response (%r); closing the client connection",
+                 label, exc)
+        if request.protocol is not None:
+            request.protocol.force_close()  # type: ignore[attr-defined]
+        return resp
+    await resp.write_eof()
+    return resp
 
 
 async def splice(down: web.WebSocketResponse, up: aiohttp.ClientWebSocketResponse) -> None:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import secrets
 import socket
 import sqlite3
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +27,8 @@ from typing import Any
 from gateway.store import at_rest
 from gateway.store.feed import Transition
 from gateway.sandbox.states import Event, State, next_state
+
+log = logging.getLogger(__name__)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS api_keys (
@@ -62,7 +64,6 @@ CREATE TABLE IF NOT EXISTS daemon_runs (
   id INTEGER PRIMARY KEY AUTOINCREMENT, started_at REAL NOT NULL, heartbeat REAL NOT NULL);
 """
 _ASLEEP = (State.SUSPENDED, State.FAILED)
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -127,8 +128,11 @@ class Registry:
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.executescript(SCHEMA)
         self._migrate()
-        # Called with each transition after it commits (gateway.store.feed.Feed.publish):
-        # must not block; an exception is logged, never raised into the caller.
+        # Called with (sandbox id, new state) after each committed insert or transition
+        # (the cluster's record publisher, gateway.cluster.publisher); none by default.
+        self.observers: list[Callable[[str, State], None]] = []
+        # Called with each transition, the whole of it, after it commits (the live feed,
+        # gateway.store.feed.Feed.publish): must not block; an exception is logged only.
         self.listeners: list[Callable[[Transition], None]] = []
 
     def _migrate(self) -> None:
@@ -204,6 +208,7 @@ class Registry:
             self._db.execute(f"INSERT INTO sandboxes ({cols}) VALUES ({marks})", list(row.values()))
             done = self._log(rec.id, None, rec.state, "insert", "created by API", rec.tenant)
         self._emit(done)
+        self._notify(rec.id, rec.state)
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:
         row = self._db.execute("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
@@ -237,7 +242,15 @@ class Registry:
         self._emit(done)
         out = self.get(sandbox_id)
         assert out is not None
+        self._notify(sandbox_id, out.state)
         return out
+
+    def _notify(self, sandbox_id: str, state: State) -> None:
+        for observer in self.observers:
+            try:
+                observer(sandbox_id, state)
+            except Exception:  # an observer's bug must not undo a committed transition
+                log.exception("registry observer %r failed for %s", observer, sandbox_id)
 
     def update(self, sandbox_id: str, **updates: Any) -> None:
         with self._tx():

@@ -240,13 +240,14 @@ _BY_STATUS_CODES = frozenset({
     "image_error", "disk_error", "network_error", "context_start_failed", "forward_failed",
     "port_not_listening", "port_closed", "bad_gateway", "upstream_timeout", "hold_queue_full",
     "sandbox_limit", "unavailable", "template_exists", "template_builtin",
+    "host_fenced", "owner_unavailable", "forward_loop",
 })
 
 _BY_STATUS: dict[int, type[AgentBoxError]] = {
     400: InvalidArgumentError, 401: AuthenticationError, 403: PermissionDeniedError,
     404: NotFoundError, 405: EndpointNotFoundError, 409: ConflictError,
     413: PayloadTooLargeError, 429: RateLimitError, 500: ServerError, 502: SandboxError,
-    503: UnavailableError, 504: TimeoutError, 507: StorageFullError,
+    503: UnavailableError, 504: TimeoutError, 507: StorageFullError, 508: UnavailableError,
 }
 
 # aiohttp's own 404 for an unmatched route, as the gateway's error middleware words it.

@@ -210,7 +210,8 @@ export const ERROR_CODES: ReadonlyMap<string, ErrorClass> = new Map<string, Erro
     snapshot_invalid agent_unreachable agent_error agent_protocol_error agent_reply_too_large
     port_closed bad_gateway vm_error`),
   ...codes(UnavailableError, `unavailable sandbox_limit hold_queue_full sandbox_crashed
-    template_building template_build_failed builds_unavailable`),
+    template_building template_build_failed builds_unavailable host_fenced owner_unavailable
+    forward_loop`),
   ...codes(TimeoutError, "vm_timeout wake_timeout upstream_timeout agent_timeout"),
   ...codes(StorageFullError, "no_space"),
   // 499: logged when the client has gone; no client reads it, but it is a server code.
@@ -222,6 +223,7 @@ const BY_STATUS: ReadonlyMap<number, ErrorClass> = new Map<number, ErrorClass>([
   [404, NotFoundError], [405, EndpointNotFoundError], [409, ConflictError],
   [413, PayloadTooLargeError], [429, RateLimitError], [500, ServerError], [502, SandboxError],
   [503, UnavailableError], [504, TimeoutError], [507, StorageFullError],
+  [508, UnavailableError],
 ]);
 
 /** The class for an error answer: by code, then by status family. */

@@ -1,0 +1,114 @@
+"""The owner publishes its sandboxes: every local state change becomes its etcd record.
+
+The registry calls ``changed(id, state)`` after each committed transition (and each
+insert); that call only notes the newest state and wakes one writer task, so a local
+create, suspend or destroy never waits on etcd and never fails because of it. The writer
+sends each noted change through ``Ownership`` (compare-and-set, the owner's lease guard),
+each write bounded by ``timeout``; a write that fails stays noted and is tried again
+after a back-off, always with the newest state (intermediate states are skipped: only
+the latest matters to a router). So after an etcd hiccup the record lags the truth until
+etcd answers again; while it lags, other hosts route by the older record (it still names
+this host, so requests still come here) or, for a sandbox created meanwhile, do not know
+it yet (they answer 404 until the record lands).
+
+A record held by another host (moved away: its generation went up) is never overwritten:
+the change is dropped and logged. DESTROYED deletes the record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+
+from gateway.cluster.errors import ClusterError, OwnershipConflict
+from gateway.cluster.ownership import Ownership, Versioned
+from gateway.cluster.records import SandboxRecord
+from gateway.sandbox.states import State
+
+log = logging.getLogger(__name__)
+
+
+class Publisher:
+    def __init__(self, ownership: Ownership, host: str, lease: Callable[[], int], *,
+                 timeout: float = 5.0, backoff: float = 1.0) -> None:
+        self.ownership, self.host, self.lease = ownership, host, lease
+        self.timeout, self.backoff = timeout, backoff
+        self._pending: dict[str, State] = {}
+        self._known: dict[str, Versioned] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.failures = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"cluster-publisher:{self.host}")
+
+    def changed(self, sandbox_id: str, state: State) -> None:
+        """Note a local change (never blocks, never raises for etcd's sake)."""
+        self._pending.pop(sandbox_id, None)
+        self._pending[sandbox_id] = state  # re-inserted: written after older notes
+        self._wake.set()
+
+    def sync(self, sandboxes: Iterable[tuple[str, State]]) -> None:
+        """Note every local sandbox (start-up, rejoin): the records then match the host."""
+        for sandbox_id, state in sandboxes:
+            self.changed(sandbox_id, state)
+        self._known.clear()  # re-read: our lease (and maybe the records) changed
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            failed = False
+            for sandbox_id in list(self._pending):
+                state = self._pending.get(sandbox_id)
+                if state is None:
+                    continue
+                try:
+                    await asyncio.wait_for(self._write(sandbox_id, state), self.timeout)
+                except (ClusterError, TimeoutError) as exc:
+                    self.failures += 1
+                    failed = True
+                    self._known.pop(sandbox_id, None)
+                    log.warning("cluster: publishing %s (%s) failed, will retry: %s",
+                                sandbox_id, state.value, exc or "timed out")
+                    continue
+                if self._pending.get(sandbox_id) is state:
+                    del self._pending[sandbox_id]
+            if failed:
+                await asyncio.sleep(self.backoff)
+                self._wake.set()
+
+    async def _write(self, sandbox_id: str, state: State) -> None:
+        current = self._known.get(sandbox_id) or await self.ownership.get(sandbox_id)
+        if current is not None and current.record.host != self.host:
+            log.warning("cluster: %s is held by %s (gen %d): not publishing our %s",
+                        sandbox_id, current.record.host, current.record.gen, state.value)
+            self._known.pop(sandbox_id, None)
+            return
+        try:
+            if state is State.DESTROYED:
+                if current is not None:
+                    await self.ownership.delete(current, self.lease())
+                self._known.pop(sandbox_id, None)
+            elif current is None:
+                record = SandboxRecord(sandbox_id, self.host, state)
+                self._known[sandbox_id] = await self.ownership.create(record, self.lease())
+            elif current.record.state is not state:
+                self._known[sandbox_id] = await self.ownership.update(
+                    current, self.lease(), state=state)
+            else:
+                self._known[sandbox_id] = current
+        except OwnershipConflict:
+            self._known.pop(sandbox_id, None)  # read again on the retry
+            raise
+
+    async def aclose(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task}, timeout=2.0)

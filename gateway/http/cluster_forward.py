@@ -1,0 +1,94 @@
+"""Routing from any host: requests for a sandbox another host owns go to that host.
+
+Installed only when ``[cluster]`` is on (``middlewares(config)`` is empty otherwise, and
+this module is then never imported). It sits right inside the error middlewares, before
+preview-host routing, rate limits and API-key auth: a forwarded request is judged by the
+owner, which authenticates the key, applies its limits and serves it as if the client had
+come straight to it. Which sandbox a request is for: ``/v1/sandboxes/{id}/...`` (terminal
+WebSockets included), a preview host ``{port}-{id}.{domain}``, or a session host whose
+session this host knows. The decision is ``gateway.cluster.routing.decide`` (no I/O);
+the forwarding is ``gateway.preview.forward.Forwarder``.
+
+Until the node has joined (start-up) the middleware passes everything through. A fenced
+node also refuses creates (``POST /v1/sandboxes``): it could not publish their records.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from gateway.cluster import routing
+from gateway.cluster.config import ClusterConfig
+from gateway.cluster.node import ClusterNode
+from gateway.errors import ApiError, ForwardLoop, HostFenced, OwnerUnavailable
+from gateway.http.middleware import Handler
+from gateway.preview import hosts, sessions
+from gateway.preview.forward import Forwarder
+
+NODE_KEY = web.AppKey("cluster_node", ClusterNode)
+FORWARDER_KEY = web.AppKey("cluster_forwarder", Forwarder)
+_REFUSALS: dict[str, type[ApiError]] = {
+    "host_fenced": HostFenced, "forward_loop": ForwardLoop,
+    "owner_unavailable": OwnerUnavailable,
+}
+
+
+def middlewares(config: ClusterConfig) -> list[Handler]:
+    return [cluster_middleware] if config.enabled else []
+
+
+def sandbox_of(request: web.Request) -> tuple[str | None, bool]:
+    """(the sandbox a request is for, whether it came on a preview/session host)."""
+    found = request.config_dict[hosts.HOSTS_KEY].classify(request.host)
+    if isinstance(found, hosts.PreviewHost):
+        return found.sandbox_id, True
+    if isinstance(found, hosts.SessionHost):
+        try:
+            session = request.config_dict[sessions.SESSIONS_KEY].by_name(found.name)
+        except ApiError:
+            return None, True  # not a session this host knows (docs/cluster.md: a gap)
+        return session.sandbox_id or None, True
+    return routing.sandbox_in_path(request.path), False
+
+
+@web.middleware
+async def cluster_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    node = request.app.get(NODE_KEY)
+    if node is None:
+        return await handler(request)
+    sandbox_id, on_host = sandbox_of(request)
+    if sandbox_id is None:
+        if node.fenced is not None and request.method == "POST" and \
+                request.path == "/v1/sandboxes" and not on_host:
+            raise HostFenced(f"host {node.config.host} is fenced ({node.fenced}): it "
+                             "creates no sandboxes until it rejoins the fleet")
+        return await handler(request)
+    forwarded_by = request.headers.get(routing.HOP_HEADER)
+    decision = routing.decide(sandbox_id, node.routes.route(sandbox_id), node.config.host,
+                              forwarded_by=forwarded_by, fenced=node.fenced)
+    try:
+        if isinstance(decision, routing.Forward):
+            return await request.app[FORWARDER_KEY].forward(request, decision.host,
+                                                            decision.address)
+        if isinstance(decision, routing.Refuse):
+            raise _REFUSALS[decision.code](decision.message)
+    except ApiError as exc:
+        if not on_host:
+            raise
+        return hosts.error_page(request, exc.status, exc.code, str(exc), exc.headers)
+    client = routing.client_of(forwarded_by, request.remote,
+                               request.headers.get("X-Forwarded-For", ""),
+                               node.routes.addresses())
+    return await handler(request.clone(remote=client) if client else request)
+
+
+def attach(app: web.Application, node: ClusterNode, forwarder: Forwarder) -> None:
+    """Start routing through ``node`` (called once it has joined)."""
+    app[FORWARDER_KEY] = forwarder
+    app[NODE_KEY] = node
+
+
+async def detach(app: web.Application) -> None:
+    forwarder = app.get(FORWARDER_KEY)
+    if forwarder is not None:
+        await forwarder.aclose()
