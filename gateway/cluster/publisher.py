@@ -25,6 +25,7 @@ from gateway.cluster.errors import ClusterError, OwnershipConflict
 from gateway.cluster.ownership import Ownership, Versioned
 from gateway.cluster.records import SandboxRecord
 from gateway.sandbox.states import State
+from gateway.store.feed import Transition
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,10 @@ class Publisher:
         self._pending.pop(sandbox_id, None)
         self._pending[sandbox_id] = state  # re-inserted: written after older notes
         self._wake.set()
+
+    def heard(self, transition: Transition) -> None:
+        """A registry listener: note the state a committed transition left."""
+        self.changed(transition.sandbox_id, State(transition.to_state))
 
     def sync(self, sandboxes: Iterable[tuple[str, State]]) -> None:
         """Note every local sandbox (start-up, rejoin): the records then match the host."""

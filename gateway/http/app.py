@@ -203,8 +203,8 @@ async def _serve(app: web.Application, config: Config,
             from gateway.http import cluster_forward
 
             await cluster_forward.detach(app)
-            if node.publisher.changed in registry.observers:
-                registry.observers.remove(node.publisher.changed)
+            if node.publisher.heard in registry.listeners:
+                registry.listeners.remove(node.publisher.heard)
             await node.aclose()
         await build_routes.detach(app, service)
         await service.aclose()
@@ -216,7 +216,7 @@ def _route_through(app: web.Application, config: Config, registry: Registry,
     from gateway.http import cluster_forward
     from gateway.preview.forward import Forwarder
 
-    registry.observers.append(node.publisher.changed)
+    registry.listeners.append(node.publisher.heard)
     node.publish_local(lambda: [(r.id, r.state) for r in registry.list()])
     server = config.server
     cluster_forward.attach(app, node, Forwarder(

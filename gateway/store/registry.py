@@ -128,11 +128,10 @@ class Registry:
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.executescript(SCHEMA)
         self._migrate()
-        # Called with (sandbox id, new state) after each committed insert or transition
-        # (the cluster's record publisher, gateway.cluster.publisher); none by default.
-        self.observers: list[Callable[[str, State], None]] = []
-        # Called with each transition, the whole of it, after it commits (the live feed,
-        # gateway.store.feed.Feed.publish): must not block; an exception is logged only.
+        # Called with each committed insert and transition, after the commit (the live feed,
+        # gateway.store.feed.Feed.publish; with [cluster] on, the record publisher,
+        # gateway.cluster.publisher): must not block; an exception is logged, never raised
+        # into the caller, and undoes nothing.
         self.listeners: list[Callable[[Transition], None]] = []
 
     def _migrate(self) -> None:
@@ -208,7 +207,6 @@ class Registry:
             self._db.execute(f"INSERT INTO sandboxes ({cols}) VALUES ({marks})", list(row.values()))
             done = self._log(rec.id, None, rec.state, "insert", "created by API", rec.tenant)
         self._emit(done)
-        self._notify(rec.id, rec.state)
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:
         row = self._db.execute("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
@@ -242,15 +240,7 @@ class Registry:
         self._emit(done)
         out = self.get(sandbox_id)
         assert out is not None
-        self._notify(sandbox_id, out.state)
         return out
-
-    def _notify(self, sandbox_id: str, state: State) -> None:
-        for observer in self.observers:
-            try:
-                observer(sandbox_id, state)
-            except Exception:  # an observer's bug must not undo a committed transition
-                log.exception("registry observer %r failed for %s", observer, sandbox_id)
 
     def update(self, sandbox_id: str, **updates: Any) -> None:
         with self._tx():
