@@ -7,8 +7,9 @@ sent and received streamed, so a memory file never sits in our RAM.
 
 Every object is one PUT: S3 takes up to 5 GiB in one request, more than any snapshot
 file of a sandbox shape we offer, so there is no multipart. The body is signed with its
-real SHA256 (``x-amz-content-sha256``), so the store itself refuses a body damaged in
-transit; downloads are checked again by the caller against the digest it recorded.
+real SHA256 (``x-amz-content-sha256``); AWS checks it, but SeaweedFS does not (the test
+that expected it to refuse a mismatched body failed), so integrity rests on the reader:
+every download is checked against the digest recorded at upload (gateway.cluster.shipping).
 Paths are style ``{endpoint}/{bucket}/{key}``. Errors are ``ObjectStoreError``.
 """
 
