@@ -126,7 +126,7 @@ class ObjectStore:
                        data: object = None) -> aiohttp.ClientResponse:
         url = self._url(key)
         signed = sign(method, url, headers or {}, sha256, self.creds,
-                      dt.datetime.now(dt.timezone.utc))
+                      dt.datetime.now(dt.UTC))
         try:
             resp = await self._http().request(method, url, headers=signed, data=data,
                                               skip_auto_headers=("Content-Type",))

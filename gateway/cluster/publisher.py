@@ -12,8 +12,8 @@ this host, so requests still come here) or, for a sandbox created meanwhile, do 
 it yet (they answer 404 until the record lands).
 
 A suspend clears the record's snapshot location (gateway.cluster.shipper names the new
-one once it is uploaded). A record held by another host (moved away: its generation went up) is never overwritten:
-the change is dropped and logged. DESTROYED deletes the record.
+one once it is uploaded). A record held by another host (moved away: its generation went
+up) is never overwritten: the change is dropped and logged. DESTROYED deletes the record.
 """
 
 from __future__ import annotations

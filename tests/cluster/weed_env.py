@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gateway.cluster.objstore import Credentials, ObjectStore
+from gateway.cluster.objstore import Credentials, ObjectStore, ObjectStoreError
 
 CREDS = Credentials("AKTESTAGENTBOX", "test-secret-not-real")
 
@@ -52,7 +52,7 @@ async def weed_s3(tmp: Path, bucket: str = "snapshots"):
     p = _free_ports(8)
     (tmp / "data").mkdir()
     log = open(tmp / "weed.log", "wb")
-    proc = subprocess.Popen(
+    proc = subprocess.Popen(  # noqa: ASYNC220 - returns at once; reaped below
         [binary, "server", f"-dir={tmp / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
          f"-master.port={p[0]}", f"-master.port.grpc={p[1]}", f"-volume.port={p[2]}",
          f"-volume.port.grpc={p[3]}", "-filer", f"-filer.port={p[4]}",
@@ -92,7 +92,7 @@ async def _until_ready(store: ObjectStore, proc: subprocess.Popen, tmp: Path) ->
         try:
             await store.put_bytes("ready", b"ok")
             return
-        except (Exception, aiohttp.ClientError) as exc:  # noqa: BLE001 - not up yet
+        except (Exception, aiohttp.ClientError) as exc:
             last = exc
             await asyncio.sleep(0.5)
     raise RuntimeError(f"weed S3 not ready in 60 s: {last}")

@@ -6,7 +6,7 @@ import datetime as dt
 from gateway.cluster.objstore import EMPTY_SHA256, Credentials, sign
 
 AWS = Credentials("AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY")
-WHEN = dt.datetime(2013, 5, 24, tzinfo=dt.timezone.utc)
+WHEN = dt.datetime(2013, 5, 24, tzinfo=dt.UTC)
 
 
 def test_aws_get_object_example():

@@ -1,0 +1,38 @@
+"""Which files of a suspend snapshot are shipped, from a manifest written by vmctl.store."""
+
+import json
+
+import pytest
+
+from gateway.sandbox.shipped import shippable
+from vmctl import store
+from vmctl.errors import SnapshotError
+
+
+def write(d, files):
+    d.mkdir()
+    for name in ("state", "memory.diff", "disk.qcow2"):
+        (d / name).write_bytes(b"x")
+    (d / store.MANIFEST).write_text(json.dumps({"driver": "qemu", "accel": "tcg",
+                                               "files": files}))
+
+
+def test_inside_files_are_shipped_the_golden_is_named_apart(tmp_path):
+    d = tmp_path / "snapshot"
+    write(d, {"state": {"path": "state", "sha256": "0", "size": 1},
+              "disk": {"path": str(d / "disk.qcow2"), "size": 1},
+              "memory": {"path": "memory.diff", "golden": "/var/lib/agentbox/g/memory"}})
+    got = shippable(d)
+    assert got.names == ["disk.qcow2", "memory.diff", "state", "manifest.json"]
+    assert got.outside == ["/var/lib/agentbox/g/memory"]
+
+
+def test_no_manifest_or_consumed_is_refused(tmp_path):
+    d = tmp_path / "snapshot"
+    d.mkdir()
+    with pytest.raises(OSError):
+        shippable(d)
+    write(tmp_path / "s2", {"state": {"path": "state"}})
+    store.mark_consumed(tmp_path / "s2")
+    with pytest.raises(SnapshotError):
+        shippable(tmp_path / "s2")
