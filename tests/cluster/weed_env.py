@@ -92,7 +92,7 @@ async def _until_ready(store: ObjectStore, proc: subprocess.Popen, tmp: Path) ->
         try:
             await store.put_bytes("ready", b"ok")
             return
-        except (Exception, aiohttp.ClientError) as exc:
+        except (ObjectStoreError, aiohttp.ClientError) as exc:  # not up yet
             last = exc
             await asyncio.sleep(0.5)
     raise RuntimeError(f"weed S3 not ready in 60 s: {last}")
