@@ -15,19 +15,25 @@ still naming it:
 - FAILED or DESTROYED: nothing to do.
 
 No live host can take a suspended one: **wait** (the next pass tries again).
+
+``decide`` is the decision (no I/O); ``reap`` is one pass against etcd.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import Any
 
-from gateway.cluster.errors import NoCapacity
+from gateway.cluster.errors import NoCapacity, OwnershipConflict
+from gateway.cluster.ownership import Ownership
 from gateway.cluster.placement import Request, choose
 from gateway.cluster.records import HostRecord, SandboxRecord
 from gateway.sandbox.states import State
 
+log = logging.getLogger(__name__)
 AWAKE = frozenset({State.CREATING, State.RUNNING, State.PAUSED, State.SUSPENDING,
                    State.RESTORING})
 
@@ -94,3 +100,31 @@ def _taken(host: HostRecord, request: Request) -> HostRecord:
     sandboxes of one dead host must not all land on the host that looked emptiest."""
     return replace(host, free_mib=max(0, host.free_mib - request.memory_mib),
                    free_vcpus=max(0, host.free_vcpus - request.vcpus))
+
+
+async def reap(ownership: Ownership, dead: str, live: list[HostRecord], *,
+               guard: dict[str, Any], request_for: Callable[[SandboxRecord], Request],
+               k: int = 2) -> list[Action]:
+    """One pass for the dead host ``dead``: read every record, decide, apply each action
+    as a compare-and-set guarded by the reaper's leadership (``LeaderKey.guard()``), so a
+    deposed reaper changes nothing. A record that changed since it was read (its owner
+    came back, another pass moved it) is skipped: the next pass reads it again. FAILED
+    stays on the dead host's name with gen + 1 (routing answers owner_unavailable).
+    The actions that landed (and the waits) are returned."""
+    _, records = await ownership.list()
+    by_id = {sid: v for sid, v in records.items() if v.record.host == dead}
+    done: list[Action] = []
+    for action in decide(dead, [v.record for v in by_id.values()], live,
+                         request_for=request_for, k=k):
+        current = by_id[action.sandbox_id]
+        try:
+            if isinstance(action, Move):
+                await ownership.move(current, action.to_host, State.SUSPENDED, (guard,))
+            elif isinstance(action, Fail):
+                await ownership.move(current, dead, State.FAILED, (guard,))
+        except OwnershipConflict as exc:
+            log.info("reaper: %s changed since read (%s); next pass", action.sandbox_id, exc)
+            continue
+        log.warning("reaper: %s: %s", action.sandbox_id, action)
+        done.append(action)
+    return done

@@ -4,8 +4,10 @@ import random
 
 import pytest
 
+from gateway.cluster.errors import OwnershipConflict
+from gateway.cluster.ownership import Versioned
 from gateway.cluster.placement import Request
-from gateway.cluster.reaper import Fail, Move, Wait, decide
+from gateway.cluster.reaper import Fail, Move, Wait, decide, reap
 from gateway.cluster.records import HostRecord, SandboxRecord
 from gateway.sandbox.states import State
 
@@ -68,3 +70,39 @@ def test_a_pass_counts_what_it_already_placed():
     assert (to.count("b"), to.count("c")) == (8, 2)
     assert [type(a).__name__ for a in got].count("Wait") == 1
     assert "c" in to[:8]
+
+
+class FakeOwnership:
+    """Records moves; a move of ``conflict`` loses its compare-and-set."""
+
+    def __init__(self, records, conflict=()):
+        self.records = {r.id: Versioned(r, i + 1) for i, r in enumerate(records)}
+        self.conflict, self.moves = set(conflict), []
+
+    async def list(self):
+        return 99, dict(self.records)
+
+    async def move(self, current, to_host, state, guards=()):
+        if current.record.id in self.conflict:
+            raise OwnershipConflict("changed since read", None)
+        self.moves.append((current.record.id, to_host, state, guards))
+        new = current.record.moved_to(to_host, state)
+        self.records[new.id] = Versioned(new, 100)
+        return self.records[new.id]
+
+
+async def test_reap_applies_moves_and_failures_with_the_leader_guard():
+    fake = FakeOwnership([
+        SandboxRecord("s1", "a", State.SUSPENDED, gen=4, snapshot=SNAP),
+        SandboxRecord("s2", "a", State.RUNNING, snapshot=SNAP),
+        SandboxRecord("s3", "a", State.SUSPENDED, snapshot=SNAP),  # its owner came back
+        SandboxRecord("s4", "b", State.RUNNING)],  # a live host's: untouched
+        conflict={"s3"})
+    guard = {"target": "CREATE", "key": "bGVhZGVy"}
+    done = await reap(fake, "a", LIVE, guard=guard, request_for=lambda r: Request(512, 1),
+                      k=5)
+    assert [(m[0], m[1], m[2]) for m in fake.moves] == [
+        ("s1", "b", State.SUSPENDED), ("s2", "a", State.FAILED)]
+    assert all(m[3] == (guard,) for m in fake.moves)
+    assert fake.records["s1"].record.gen == 5
+    assert [a.sandbox_id for a in done] == ["s1", "s2"]
