@@ -22,13 +22,16 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.cluster.errors import ClusterError
 from gateway.cluster.ownership import Ownership
 from gateway.cluster.shipping import Index, Store, describe, plan_upload, upload
 from gateway.sandbox.states import State
 from gateway.store.feed import Transition
+
+if TYPE_CHECKING:
+    from gateway.store.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -113,3 +116,16 @@ class Shipper:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=5.0)
+
+
+def from_registry(registry: Registry) -> Callable[[str], Awaitable[LocalSnapshot | None]]:
+    """``describe_local`` for the daemon: the sandbox's row and its snapshot directory, as
+    the sandbox layer lays them out (gateway.sandbox.shipped)."""
+    from gateway.sandbox.shipped import describe_suspended
+
+    async def describe_local(sandbox_id: str) -> LocalSnapshot | None:
+        rec = registry.get(sandbox_id)
+        found = await asyncio.to_thread(describe_suspended, rec) if rec else None
+        return None if found is None else LocalSnapshot(found.directory, found.names,
+                                                        found.base, found.meta)
+    return describe_local

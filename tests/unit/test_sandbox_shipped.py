@@ -36,3 +36,29 @@ def test_no_manifest_or_consumed_is_refused(tmp_path):
     store.mark_consumed(tmp_path / "s2")
     with pytest.raises(SnapshotError):
         shippable(tmp_path / "s2")
+
+
+def test_describe_suspended_names_files_base_and_meta(tmp_path):
+    import dataclasses
+    import hashlib
+
+    from gateway.sandbox.shipped import describe_suspended
+    from gateway.sandbox.states import State
+    from gateway.store.registry import SandboxRecord
+
+    root, golden = tmp_path / "sb", tmp_path / "golden"
+    root.mkdir()
+    golden.mkdir()
+    (golden / store.MANIFEST).write_text('{"golden": 1}')
+    write(root / "snapshot", {"state": {"path": "state"}, "memory": {"path": "memory.diff"}})
+    rec = SandboxRecord(id="sb", tenant="t1", template="python", state=State.SUSPENDED,
+                        slot=3, root=str(root), golden=str(golden), idle_timeout=60.0,
+                        host="h", created_at=0.0, updated_at=0.0, last_activity=0.0,
+                        vcpus=2, memory_mib=512)
+    got = describe_suspended(rec)
+    assert got.names == ["memory.diff", "state", "manifest.json"]
+    assert got.base == hashlib.sha256(b'{"golden": 1}').hexdigest()
+    assert got.meta["tenant"] == "t1" and got.meta["memory_mib"] == 512
+    assert describe_suspended(dataclasses.replace(rec, state=State.RUNNING)) is None
+    store.mark_consumed(root / "snapshot")
+    assert describe_suspended(rec) is None
