@@ -64,3 +64,38 @@ async def test_upload_and_fetch_byte_for_byte(tmp_path):
         with pytest.raises(ObjectStoreError):
             await fetch(store, location, tmp_path / "gone", base="tmpl-base-abc")
 
+
+
+async def test_a_suspend_is_shipped_and_named_in_the_record(tmp_path):
+    """The shipper end to end against the real store: SUSPENDED heard -> files and index
+    uploaded -> the record names them -> a fetch elsewhere gets the same bytes."""
+    import asyncio
+
+    from gateway.cluster.records import SandboxRecord
+    from gateway.cluster.shipper import LocalSnapshot, Shipper
+    from gateway.sandbox.states import State
+    from gateway.store.feed import Transition
+    from tests.unit.test_cluster_shipper import FakeOwnership
+
+    names = make_snapshot(tmp_path / "snap")
+    own = FakeOwnership(SandboxRecord("sb-2", "h1", State.SUSPENDED))
+
+    async def local(sandbox_id):
+        return LocalSnapshot(tmp_path / "snap", names, "base-x", {"tenant": "t"})
+
+    async with weed_s3(tmp_path / "weed") as store:
+        shipper = Shipper(store, own, "h1", lambda: 7, local, key_prefix="/agentbox")
+        try:
+            shipper.heard(Transition(1, "sb-2", "t", "suspending", "suspended", "x", "", 0.0))
+            async with asyncio.timeout(60):
+                while shipper.uploading:
+                    await asyncio.sleep(0.05)
+            assert shipper.failures == 0
+            location = own.current.record.snapshot
+            index = await fetch(store, location, tmp_path / "elsewhere", base="base-x")
+        finally:
+            await shipper.aclose()
+    assert index.meta == {"tenant": "t"}
+    for name in names:
+        assert (tmp_path / "elsewhere" / name).read_bytes() == \
+            (tmp_path / "snap" / name).read_bytes()
