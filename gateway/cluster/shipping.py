@@ -31,7 +31,10 @@ from gateway.cluster.objstore import ObjectStoreError
 INDEX = "index.json"
 MAX_INDEX_BYTES = 64 << 10
 MAX_FILE_BYTES = 64 << 30
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# A file's path relative to the shipped directory: one or two components, each starting
+# with a letter or digit (so never "." or "..": nothing can escape the directory).
+_PART = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+_NAME = re.compile(rf"{_PART}(/{_PART})?")
 
 
 class SnapshotRefused(ClusterError):
@@ -47,7 +50,7 @@ class Store(Protocol):  # what shipping needs of gateway.cluster.objstore.Object
 
 @dataclass(frozen=True)
 class ShipFile:
-    name: str  # relative to the snapshot directory, one component
+    name: str  # relative to the shipped directory: "memory", "snapshot/state"
     size: int
     sha256: str
 
@@ -176,6 +179,7 @@ async def fetch(store: Store, location: str, dest: Path, *, base: str) -> Index:
     partial.mkdir(parents=True)
     try:
         for f in index.files:
+            (partial / f.name).parent.mkdir(exist_ok=True)
             got = await store.get_file(f"{prefix}/{f.name}", partial / f.name, f.size)
             if got != f.sha256 or (partial / f.name).stat().st_size != f.size:
                 raise SnapshotRefused(f"{index.sandbox_id}: {f.name} does not match its "

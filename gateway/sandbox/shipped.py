@@ -1,10 +1,12 @@
 """What of a sandbox's own snapshot can be shipped to another host (gateway.cluster.shipper).
 
-The snapshot directory holds the device state, memory (whole or as a diff from the
-golden's), the disk overlay and ``manifest.json`` (vmctl.store). Files inside the
-directory are shipped; a path the manifest names outside it (a compact memory's golden,
-the overlay's base) is the template's, the same on every host built from the same
-inputs, and is returned apart so the caller can record its identity instead of its bytes.
+The snapshot directory (``{root}/snapshot``) holds the device state, the disk overlay
+(hard-linked) and ``manifest.json`` (vmctl.store); the memory is QEMU's RAM file in the
+root itself, or a diff from the golden's inside the snapshot. Files the manifest names
+under the root are shipped, named relative to it. A path outside the root (a compact
+memory's golden, the overlay's base) is the template's and is returned apart, so the
+caller records its identity instead of its bytes. The manifest's paths are absolute: a
+restore must put the files at the same root path (same ``sandboxes_dir``, same id).
 """
 
 from __future__ import annotations
@@ -22,37 +24,43 @@ from vmctl.errors import SnapshotError
 
 @dataclass(frozen=True)
 class Shippable:
-    names: list[str]  # files relative to the snapshot directory, manifest.json last
+    names: list[str]  # relative to the sandbox root ("snapshot/state", "memory"), manifest last
     outside: list[str]  # absolute paths the snapshot needs from the template
 
 
 def shippable(directory: Path) -> Shippable:
-    """The files of the complete snapshot in ``directory``; SnapshotError if there is none
-    (no manifest: a suspend that did not finish) or it was already resumed from."""
+    """The files of the complete snapshot in ``directory`` (a sandbox root's ``snapshot``),
+    named relative to the sandbox root: QEMU's memory file lives in the root itself
+    (vmctl.disks.QemuLayout), beside the snapshot directory. SnapshotError if there is no
+    complete snapshot (no manifest: a suspend that did not finish) or it was already
+    resumed from."""
     manifest = store.Manifest.from_json((directory / store.MANIFEST).read_bytes())
     if store.is_consumed(directory):
         raise SnapshotError("the snapshot was already resumed from")
+    root = directory.parent
     names, outside = [], []
     for entry in manifest.files.values():
         for key in ("path", "golden"):
             if key not in entry:
                 continue
             path = Path(entry[key])
-            if path.is_absolute() and not path.is_relative_to(directory):
+            path = path if path.is_absolute() else directory / path
+            if not path.is_relative_to(root):
                 outside.append(str(path))
-            else:
-                rel = path.relative_to(directory) if path.is_absolute() else path
-                if len(rel.parts) != 1:
-                    raise SnapshotError(f"snapshot file {rel} is in a subdirectory")
-                names.append(rel.name)
-    return Shippable(sorted(set(names)) + [store.MANIFEST], sorted(set(outside)))
+                continue
+            rel = path.relative_to(root)
+            if len(rel.parts) > 2 or (len(rel.parts) == 2 and rel.parts[0] != directory.name):
+                raise SnapshotError(f"snapshot file {rel} is outside its usual places")
+            names.append(str(rel))
+    return Shippable(sorted(set(names)) + [f"{directory.name}/{store.MANIFEST}"],
+                     sorted(set(outside)))
 
 
 @dataclass(frozen=True)
 class Suspended:
     """A suspended sandbox's snapshot as the shipper needs it."""
 
-    directory: Path
+    directory: Path  # the sandbox root: ``names`` are relative to it
     names: list[str]
     base: str  # identity of what the snapshot needs from the template (its golden)
     meta: dict[str, Any]
@@ -78,4 +86,4 @@ def describe_suspended(rec: SandboxRecord) -> Suspended | None:
     meta = {"tenant": rec.tenant, "template": rec.template, "vcpus": rec.vcpus,
             "memory_mib": rec.memory_mib, "disk_mib": rec.disk_mib,
             "idle_timeout": rec.idle_timeout, "metadata": rec.metadata, "egress": rec.egress}
-    return Suspended(directory, files.names, base, meta)
+    return Suspended(directory.parent, files.names, base, meta)

@@ -18,13 +18,14 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def make_snapshot(d):
-    d.mkdir()
+    """A sandbox root as QemuLayout leaves it: the RAM file beside ``snapshot/``."""
+    (d / "snapshot").mkdir(parents=True)
     (d / "memory").write_bytes(os.urandom(3 << 20) + b"tail")  # > one 1 MiB chunk, odd size
-    (d / "disk.qcow2").write_bytes(os.urandom(1 << 20))
-    (d / "state").write_bytes(b"device state")
-    (d / "empty").write_bytes(b"")
-    (d / "manifest.json").write_bytes(b'{"driver": "test"}')
-    return sorted(p.name for p in d.iterdir())
+    (d / "snapshot" / "disk.qcow2").write_bytes(os.urandom(1 << 20))
+    (d / "snapshot" / "state").write_bytes(b"device state")
+    (d / "snapshot" / "empty").write_bytes(b"")
+    (d / "snapshot" / "manifest.json").write_bytes(b'{"driver": "test"}')
+    return sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())
 
 
 async def test_upload_and_fetch_byte_for_byte(tmp_path):

@@ -69,7 +69,8 @@ def test_plan_is_content_addressed_and_largest_first():
     assert other.prefix != plan.prefix
 
 
-@pytest.mark.parametrize("name", ["../x", "a/b", "", ".hidden", "x" * 200])
+@pytest.mark.parametrize("name", ["../x", "a/../b", "a/b/c", "/a", "a/", "", ".hidden",
+                                  "a/.x", "x" * 200])
 def test_file_names_cannot_escape(name):
     with pytest.raises(ValueError):
         ShipFile(name, 1, "0" * 64)

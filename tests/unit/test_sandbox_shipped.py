@@ -23,8 +23,18 @@ def test_inside_files_are_shipped_the_golden_is_named_apart(tmp_path):
               "disk": {"path": str(d / "disk.qcow2"), "size": 1},
               "memory": {"path": "memory.diff", "golden": "/var/lib/agentbox/g/memory"}})
     got = shippable(d)
-    assert got.names == ["disk.qcow2", "memory.diff", "state", "manifest.json"]
+    assert got.names == ["snapshot/disk.qcow2", "snapshot/memory.diff", "snapshot/state",
+                         "snapshot/manifest.json"]
     assert got.outside == ["/var/lib/agentbox/g/memory"]
+
+
+def test_qemus_memory_file_in_the_root_is_shipped(tmp_path):
+    # QemuLayout: the RAM file is {root}/memory, beside the snapshot directory.
+    d = tmp_path / "snapshot"
+    write(d, {"state": {"path": "state"}, "memory": {"path": str(tmp_path / "memory")},
+              "disk": {"path": "disk.qcow2"}})
+    assert shippable(d).names == ["memory", "snapshot/disk.qcow2", "snapshot/state",
+                                  "snapshot/manifest.json"]
 
 
 def test_no_manifest_or_consumed_is_refused(tmp_path):
@@ -56,7 +66,8 @@ def test_describe_suspended_names_files_base_and_meta(tmp_path):
                         host="h", created_at=0.0, updated_at=0.0, last_activity=0.0,
                         vcpus=2, memory_mib=512)
     got = describe_suspended(rec)
-    assert got.names == ["memory.diff", "state", "manifest.json"]
+    assert got.names == ["snapshot/memory.diff", "snapshot/state", "snapshot/manifest.json"]
+    assert got.directory == root
     assert got.base == hashlib.sha256(b'{"golden": 1}').hexdigest()
     assert got.meta["tenant"] == "t1" and got.meta["memory_mib"] == 512
     assert describe_suspended(dataclasses.replace(rec, state=State.RUNNING)) is None
