@@ -6,8 +6,8 @@ the snapshot is being consumed, a newer suspend will ship a newer one). So a new
 always supersedes an older upload, and at most ``max_uploads`` sandboxes upload at once.
 
 After every file and the index are in the store, the record gains the location by a
-compare-and-set under this host's lease, and only while the record still says SUSPENDED
-on this host: a sandbox that woke (or was moved) meanwhile keeps its record as it is.
+compare-and-set under this host's lease, once the record says SUSPENDED (the publisher's
+write may lag) and never if another host holds it.
 Failures are retried by shipping.upload per file; a snapshot that still cannot be shipped
 is logged and stays local only (the reaper counts it lost if this host dies).
 
@@ -52,6 +52,7 @@ class Shipper:
         self.store, self.ownership, self.host, self.lease = store, ownership, host, lease
         self.describe_local, self.key_prefix = describe_local, key_prefix
         self.concurrency = concurrency
+        self.record_attempts, self.retry_every = 30, 1.0
         self._gate = asyncio.Semaphore(max_uploads)
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.shipped: dict[str, str] = {}  # sandbox id -> location recorded
@@ -89,18 +90,23 @@ class Shipper:
         await self._record(sandbox_id, location)
 
     async def _record(self, sandbox_id: str, location: str) -> None:
-        for _ in range(3):
+        """Name ``location`` in the record. This task still running means the sandbox is
+        still SUSPENDED here (any other transition cancels it), so a record that says
+        otherwise lags (the publisher's write is pending): wait for it, bounded."""
+        for _ in range(self.record_attempts):
             current = await self.ownership.get(sandbox_id)
-            if current is None or current.record.host != self.host \
-                    or current.record.state is not State.SUSPENDED:
-                log.info("cluster: %s changed while its snapshot shipped; not recorded",
-                         sandbox_id)
+            if current is not None and current.record.host != self.host:
+                log.info("cluster: %s is held by %s; its snapshot is not recorded",
+                         sandbox_id, current.record.host)
                 return
+            if current is None or current.record.state is not State.SUSPENDED:
+                await asyncio.sleep(self.retry_every)
+                continue
             try:
                 await self.ownership.update(current, self.lease(), snapshot=location)
             except ClusterError as exc:
                 log.info("cluster: recording %s's snapshot: %s; reading again", sandbox_id, exc)
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(self.retry_every)
                 continue
             self.shipped[sandbox_id] = location
             return

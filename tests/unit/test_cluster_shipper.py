@@ -55,12 +55,29 @@ async def test_suspend_uploads_then_records(tmp_path):
     await shipper.aclose()
 
 
-async def test_not_recorded_when_the_sandbox_woke_meanwhile(tmp_path):
-    shipper, own, _ = make(tmp_path, state=State.RUNNING)
+async def test_not_recorded_when_another_host_holds_it(tmp_path):
+    shipper, own, _ = make(tmp_path)
+    own.current = own.current.__class__(
+        dataclasses.replace(own.current.record, host="h2", gen=2), 1)
     shipper.heard(moved("sb", State.SUSPENDED))
     while shipper.uploading:
         await asyncio.sleep(0.01)
-    assert own.current.record.snapshot == "" and own.current.mod_revision == 1
+    assert own.current.record.snapshot == "" and shipper.failures == 0
+    await shipper.aclose()
+
+
+async def test_a_lagging_record_is_waited_for(tmp_path):
+    # The publisher has not written SUSPENDED yet: the shipper waits, then records.
+    shipper, own, _ = make(tmp_path, state=State.SUSPENDING)
+    shipper.retry_every = 0.01
+    shipper.heard(moved("sb", State.SUSPENDED))
+    await asyncio.sleep(0.1)
+    assert own.current.record.snapshot == "" and shipper.uploading == 1
+    own.current = own.current.__class__(
+        dataclasses.replace(own.current.record, state=State.SUSPENDED), 2)
+    while shipper.uploading:
+        await asyncio.sleep(0.01)
+    assert own.current.record.snapshot and shipper.failures == 0
     await shipper.aclose()
 
 
