@@ -8,11 +8,12 @@ fails start-up with the field's name (gateway.config wraps it as ``[cluster]: ..
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from gateway.cluster.keys import Keys, check_host_name
 
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _HOSTPORT = re.compile(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):(\d{1,5})")
 
 
@@ -42,6 +43,14 @@ class ClusterConfig:
     timeout: float = 5.0  # seconds for one etcd call, across every endpoint it tries
     key_prefix: str = "/agentbox"  # every key lives under it (fleets sharing one etcd)
     placement_choices: int = 2  # best-of-K (gateway.cluster.placement)
+    # The shared object store (S3 API) for suspended sandboxes' snapshots; endpoint ""
+    # means none: nothing is uploaded and a dead host's sandboxes cannot be re-homed.
+    objstore_endpoint: str = ""  # http(s)://HOST:PORT
+    objstore_bucket: str = ""
+    objstore_access_key: str = ""
+    objstore_secret_key: str = field(default="", repr=False)
+    objstore_region: str = "us-east-1"
+    upload_concurrency: int = 2  # files of one snapshot in flight at once
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -62,8 +71,29 @@ class ClusterConfig:
             Keys(self.key_prefix)
         except ValueError as exc:
             raise ValueError(f"key_prefix: {exc}") from exc
+        if self.objstore_endpoint:
+            self._check_objstore()
         if self.enabled:
             self._check_enabled()
+
+    def _check_objstore(self) -> None:
+        parts = urlsplit(self.objstore_endpoint) if isinstance(self.objstore_endpoint,
+                                                                str) else None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname \
+                or parts.path not in ("", "/") or parts.query:
+            raise ValueError(f"objstore_endpoint must be http(s)://HOST[:PORT], not "
+                             f"{self.objstore_endpoint!r}")
+        if not isinstance(self.objstore_bucket, str) or not _BUCKET.fullmatch(
+                self.objstore_bucket):
+            raise ValueError(f"objstore_bucket must be an S3 bucket name (3-63 of a-z 0-9 . -),"
+                             f" not {self.objstore_bucket!r}")
+        for name in ("objstore_access_key", "objstore_secret_key", "objstore_region"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value or len(value) > 256:
+                raise ValueError(f"{name} must be a non-empty string when "
+                                 "objstore_endpoint is set")
+        if not isinstance(self.upload_concurrency, int) or not 1 <= self.upload_concurrency <= 16:
+            raise ValueError("upload_concurrency must be an integer from 1 to 16")
 
     def _check_enabled(self) -> None:
         if not self.endpoints:

@@ -20,6 +20,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gateway.cluster.config import ClusterConfig
 from gateway.cluster.errors import ClusterError, Fenced
@@ -29,6 +30,11 @@ from gateway.cluster.records import HostRecord
 from gateway.cluster.routes import RouteCache
 from gateway.sandbox.states import State
 from gateway.tenancy.quotas import usage_of
+
+if TYPE_CHECKING:
+    from gateway.cluster.objstore import ObjectStore
+    from gateway.cluster.ownership import Ownership
+    from gateway.cluster.shipper import Shipper
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +86,11 @@ class ClusterNode:
         self.publisher = Publisher(Ownership(self.client, self.keys), config.host,
                                    self._lease, timeout=config.timeout)
         self.local: Callable[[], list[tuple[str, State]]] = list
+        self.shipper: Shipper | None = None
+        self._objstore: ObjectStore | None = None
+        if config.objstore_endpoint:
+            self.shipper, self._objstore = _shipper(config, Ownership(self.client, self.keys),
+                                                    self._lease)
         self._publisher: asyncio.Task[None] | None = None
         self._rejoiner: asyncio.Task[None] | None = None
 
@@ -196,6 +207,10 @@ class ClusterNode:
                 await asyncio.wait({task}, timeout=2.0)
         self._rejoiner = self._publisher = None
         await self.publisher.aclose()
+        if self.shipper is not None:
+            await self.shipper.aclose()
+        if self._objstore is not None:
+            await self._objstore.aclose()
         await self.routes.aclose()
         if self.membership is not None:
             await self.membership.aclose()
@@ -219,3 +234,21 @@ async def start_if_enabled(config: ClusterConfig,
     node = ClusterNode(config, daemon_load(list_sandboxes))
     await node.start()
     return node
+
+
+def _shipper(config: ClusterConfig, ownership: Ownership,
+             lease: Callable[[], int]) -> tuple[Shipper, ObjectStore]:
+    """[cluster] objstore_endpoint set: the uploader of suspended sandboxes' snapshots
+    (its ``describe_local`` is set by the app, which knows the registry)."""
+    from gateway.cluster.objstore import Credentials, ObjectStore
+    from gateway.cluster.shipper import Shipper
+
+    store = ObjectStore(config.objstore_endpoint, config.objstore_bucket, Credentials(
+        config.objstore_access_key, config.objstore_secret_key, config.objstore_region),
+        timeout=max(config.timeout, 10.0))
+
+    async def nothing(sandbox_id: str) -> None:
+        return None
+
+    return Shipper(store, ownership, config.host, lease, nothing, key_prefix=config.key_prefix,
+                   concurrency=config.upload_concurrency), store

@@ -11,8 +11,9 @@ etcd answers again; while it lags, other hosts route by the older record (it sti
 this host, so requests still come here) or, for a sandbox created meanwhile, do not know
 it yet (they answer 404 until the record lands).
 
-A record held by another host (moved away: its generation went up) is never overwritten:
-the change is dropped and logged. DESTROYED deletes the record.
+A suspend clears the record's snapshot location (gateway.cluster.shipper names the new
+one once it is uploaded). A record held by another host (moved away: its generation went
+up) is never overwritten: the change is dropped and logged. DESTROYED deletes the record.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from gateway.sandbox.states import State
 from gateway.store.feed import Transition
 
 log = logging.getLogger(__name__)
+# A record entering these loses its snapshot location: until the shipper names the new
+# upload, the reaper must not restore an older snapshot of a newer suspend.
+_SUSPENDING = frozenset({State.SUSPENDING, State.SUSPENDED})
 
 
 class Publisher:
@@ -104,8 +108,11 @@ class Publisher:
                 record = SandboxRecord(sandbox_id, self.host, state)
                 self._known[sandbox_id] = await self.ownership.create(record, self.lease())
             elif current.record.state is not state:
+                changes: dict[str, object] = {"state": state}
+                if state in _SUSPENDING and current.record.state not in _SUSPENDING:
+                    changes["snapshot"] = ""  # the shipped one is older than this suspend
                 self._known[sandbox_id] = await self.ownership.update(
-                    current, self.lease(), state=state)
+                    current, self.lease(), **changes)
             else:
                 self._known[sandbox_id] = current
         except OwnershipConflict:

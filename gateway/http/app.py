@@ -203,8 +203,9 @@ async def _serve(app: web.Application, config: Config,
             from gateway.http import cluster_forward
 
             await cluster_forward.detach(app)
-            if node.publisher.heard in registry.listeners:
-                registry.listeners.remove(node.publisher.heard)
+            for heard in (node.publisher.heard, node.shipper and node.shipper.heard):
+                if heard in registry.listeners:
+                    registry.listeners.remove(heard)
             await node.aclose()
         await build_routes.detach(app, service)
         await service.aclose()
@@ -218,6 +219,11 @@ def _route_through(app: web.Application, config: Config, registry: Registry,
 
     registry.listeners.append(node.publisher.heard)
     node.publish_local(lambda: [(r.id, r.state) for r in registry.list()])
+    if node.shipper is not None:  # [cluster] objstore_endpoint: ship suspended snapshots
+        from gateway.cluster.shipper import from_registry
+
+        node.shipper.describe_local = from_registry(registry)
+        registry.listeners.append(node.shipper.heard)
     server = config.server
     cluster_forward.attach(app, node, Forwarder(
         config.cluster.host, server.proxy_connect_timeout, server.proxy_read_timeout,

@@ -77,3 +77,19 @@ def test_disabled_needs_no_host_but_still_checks_types(tmp_path: Path) -> None:
     assert _load(tmp_path, "[cluster]\nendpoints = []\n").cluster.enabled is False
     with pytest.raises(ConfigError, match="lease_ttl"):
         _load(tmp_path, "[cluster]\nlease_ttl = 0\n")
+
+
+def test_objstore_off_by_default_and_checked_when_set():
+    assert ClusterConfig().objstore_endpoint == ""
+    good = dict(objstore_endpoint="http://127.0.0.1:8333", objstore_bucket="snapshots",
+                objstore_access_key="AK", objstore_secret_key="SK")
+    cfg = ClusterConfig(**good)
+    assert "SK" not in repr(cfg)
+    for bad, match in [({"objstore_endpoint": "ftp://x"}, "objstore_endpoint"),
+                       ({"objstore_endpoint": "http://x:1/path"}, "objstore_endpoint"),
+                       ({"objstore_bucket": "Bad_Bucket"}, "objstore_bucket"),
+                       ({"objstore_bucket": ""}, "objstore_bucket"),
+                       ({"objstore_secret_key": ""}, "objstore_secret_key"),
+                       ({"upload_concurrency": 0}, "upload_concurrency")]:
+        with pytest.raises(ValueError, match=match):
+            ClusterConfig(**{**good, **bad})

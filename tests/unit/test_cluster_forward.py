@@ -198,7 +198,9 @@ def test_the_middleware_is_installed_only_with_cluster_on() -> None:
              "build_app; build_app(load(None)); print(sorted(m for m in sys.modules if m in "
              "('gateway.http.cluster_forward', 'gateway.preview.forward', "
              "'gateway.cluster.routing', 'gateway.cluster.publisher', "
-             "'gateway.cluster.ownership')))")
+             "'gateway.cluster.ownership', 'gateway.cluster.objstore', "
+             "'gateway.cluster.shipping', 'gateway.cluster.shipper', "
+             "'gateway.cluster.reaper', 'gateway.sandbox.shipped')))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"

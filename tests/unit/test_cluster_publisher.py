@@ -132,3 +132,22 @@ async def test_a_conflict_is_read_again_then_written() -> None:
         assert [c[0] for c in fake.calls] == ["create", "update", "update"]
     finally:
         await pub.aclose()
+
+
+async def test_a_new_suspend_clears_the_shipped_location_a_wake_keeps_it() -> None:
+    """The reaper must never restore an older snapshot of a newer suspend: entering a
+    suspend drops the location until the shipper names the new upload; a wake keeps it
+    (it tells the reaper where the disk of the last suspend is)."""
+    fake = FakeOwnership()
+    fake._put(SandboxRecord("sbx1", "host-a", State.SUSPENDED, 1, snapshot="old#x"))
+    pub = Publisher(fake, "host-a", lambda: 7)  # type: ignore[arg-type]
+    pub.start()
+    try:
+        pub.changed("sbx1", State.RUNNING)
+        await settle(pub)
+        assert fake.store["sbx1"].record.snapshot == "old#x"
+        pub.changed("sbx1", State.SUSPENDED)
+        await settle(pub)
+        assert fake.store["sbx1"].record.snapshot == ""
+    finally:
+        await pub.aclose()

@@ -1,0 +1,130 @@
+"""What the reaper does with a dead host's sandboxes: the decision, without I/O.
+
+A host is dead when its record (on its lease) is gone; it fenced itself before that
+(gateway.cluster.membership), so nothing it held is still being served. For each record
+still naming it:
+
+- SUSPENDED with a shipped snapshot: **move** it (compare-and-set, gen + 1) to a live
+  host chosen by placement; that host fetches the snapshot and registers the sandbox as
+  SUSPENDED, and the next request wakes it there as any local suspended sandbox.
+- SUSPENDED never shipped (the upload had not finished): **lost**, its files are on
+  the dead host's disk only.
+- RUNNING, PAUSED, CREATING, SUSPENDING, RESTORING: its memory died with the host.
+  **FAILED** in its record, noting the last shipped snapshot (its disk as of the last
+  suspend) if there is one, else that it is lost.
+- FAILED or DESTROYED: nothing to do.
+
+No live host can take a suspended one: **wait** (the next pass tries again).
+
+``decide`` is the decision (no I/O); ``reap`` is one pass against etcd.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from gateway.cluster.errors import NoCapacity, OwnershipConflict
+from gateway.cluster.ownership import Ownership
+from gateway.cluster.placement import Request, choose
+from gateway.cluster.records import HostRecord, SandboxRecord
+from gateway.sandbox.states import State
+
+log = logging.getLogger(__name__)
+AWAKE = frozenset({State.CREATING, State.RUNNING, State.PAUSED, State.SUSPENDING,
+                   State.RESTORING})
+
+
+@dataclass(frozen=True)
+class Move:
+    """Give the sandbox to ``to_host`` (SUSPENDED, gen + 1); it fetches ``snapshot``."""
+
+    sandbox_id: str
+    to_host: str
+    snapshot: str
+
+
+@dataclass(frozen=True)
+class Fail:
+    """Mark the sandbox FAILED; ``reason`` says what of it is left."""
+
+    sandbox_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing can be done now (no host can take it); try on the next pass."""
+
+    sandbox_id: str
+    reason: str
+
+
+Action = Move | Fail | Wait
+
+
+def decide(dead: str, records: Iterable[SandboxRecord], live: Iterable[HostRecord], *,
+           request_for: Callable[[SandboxRecord], Request], k: int = 2,
+           rng: random.Random | None = None) -> list[Action]:
+    """The actions for every record still naming the dead host ``dead``."""
+    hosts = [h for h in live if h.name != dead]
+    actions: list[Action] = []
+    for record in sorted(records, key=lambda r: r.id):
+        if record.host != dead or record.state in (State.FAILED, State.DESTROYED):
+            continue
+        if record.state is State.SUSPENDED and record.snapshot:
+            try:
+                to = choose(hosts, request_for(record), k=k, rng=rng)
+            except NoCapacity as exc:
+                actions.append(Wait(record.id, str(exc)))
+                continue
+            hosts = [_taken(h, request_for(record)) if h.name == to.name else h
+                     for h in hosts]
+            actions.append(Move(record.id, to.name, record.snapshot))
+        elif record.state is State.SUSPENDED:
+            actions.append(Fail(record.id, f"host {dead} died before its snapshot was "
+                                           "uploaded: lost"))
+        elif record.state in AWAKE:
+            kept = (f"its disk as of its last suspend is at {record.snapshot}"
+                    if record.snapshot else "nothing was uploaded: lost")
+            actions.append(Fail(record.id, f"host {dead} died while it was "
+                                           f"{record.state.value}: its memory is lost; {kept}"))
+    return actions
+
+
+def _taken(host: HostRecord, request: Request) -> HostRecord:
+    """The host as placement should see it after this pass gave it ``request``: several
+    sandboxes of one dead host must not all land on the host that looked emptiest."""
+    return replace(host, free_mib=max(0, host.free_mib - request.memory_mib),
+                   free_vcpus=max(0, host.free_vcpus - request.vcpus))
+
+
+async def reap(ownership: Ownership, dead: str, live: list[HostRecord], *,
+               guard: dict[str, Any], request_for: Callable[[SandboxRecord], Request],
+               k: int = 2) -> list[Action]:
+    """One pass for the dead host ``dead``: read every record, decide, apply each action
+    as a compare-and-set guarded by the reaper's leadership (``LeaderKey.guard()``), so a
+    deposed reaper changes nothing. A record that changed since it was read (its owner
+    came back, another pass moved it) is skipped: the next pass reads it again. FAILED
+    stays on the dead host's name with gen + 1 (routing answers owner_unavailable).
+    The actions that landed (and the waits) are returned."""
+    _, records = await ownership.list()
+    by_id = {sid: v for sid, v in records.items() if v.record.host == dead}
+    done: list[Action] = []
+    for action in decide(dead, [v.record for v in by_id.values()], live,
+                         request_for=request_for, k=k):
+        current = by_id[action.sandbox_id]
+        try:
+            if isinstance(action, Move):
+                await ownership.move(current, action.to_host, State.SUSPENDED, (guard,))
+            elif isinstance(action, Fail):
+                await ownership.move(current, dead, State.FAILED, (guard,))
+        except OwnershipConflict as exc:
+            log.info("reaper: %s changed since read (%s); next pass", action.sandbox_id, exc)
+            continue
+        log.warning("reaper: %s: %s", action.sandbox_id, action)
+        done.append(action)
+    return done

@@ -1,0 +1,108 @@
+"""The reaper's decision for a dead host's sandboxes, case by case (no I/O)."""
+
+import random
+
+import pytest
+
+from gateway.cluster.errors import OwnershipConflict
+from gateway.cluster.ownership import Versioned
+from gateway.cluster.placement import Request
+from gateway.cluster.reaper import Fail, Move, Wait, decide, reap
+from gateway.cluster.records import HostRecord, SandboxRecord
+from gateway.sandbox.states import State
+
+SNAP = "agentbox/snapshots/s/0123#" + "a" * 64
+LIVE = [HostRecord("b", "b:1", total_mib=4096, free_mib=4096, total_vcpus=4, free_vcpus=4),
+        HostRecord("c", "c:1", total_mib=4096, free_mib=1024, total_vcpus=4, free_vcpus=4)]
+
+
+def run(records, live=LIVE, mib=512):
+    return decide("a", records, live, request_for=lambda r: Request(mib, 1), k=5,
+                  rng=random.Random(0))
+
+
+@pytest.mark.parametrize("state,snapshot,expect", [
+    (State.SUSPENDED, SNAP, Move("s", "b", SNAP)),
+    (State.SUSPENDED, "", Fail("s", "host a died before its snapshot was uploaded: lost")),
+    (State.RUNNING, "", Fail("s", "host a died while it was running: its memory is lost; "
+                                  "nothing was uploaded: lost")),
+    (State.PAUSED, SNAP, Fail("s", "host a died while it was paused: its memory is lost; "
+                                   f"its disk as of its last suspend is at {SNAP}")),
+    (State.RESTORING, "", Fail("s", "host a died while it was restoring: its memory is "
+                                    "lost; nothing was uploaded: lost")),
+    (State.FAILED, SNAP, None),
+    (State.DESTROYED, "", None),
+])
+def test_one_sandbox(state, snapshot, expect):
+    got = run([SandboxRecord("s", "a", state, gen=3, snapshot=snapshot)])
+    assert got == ([] if expect is None else [expect])
+
+
+def test_records_of_other_hosts_are_left_alone():
+    # Already moved (by an earlier pass or a drain): the record names the new owner.
+    assert run([SandboxRecord("s", "b", State.SUSPENDED, gen=2, snapshot=SNAP)]) == []
+
+
+def test_no_host_can_take_it_waits():
+    got = run([SandboxRecord("s", "a", State.SUSPENDED, snapshot=SNAP)], mib=8192)
+    assert len(got) == 1 and isinstance(got[0], Wait) and "8192 MiB" in got[0].reason
+    assert isinstance(run([SandboxRecord("s", "a", State.SUSPENDED, snapshot=SNAP)],
+                          live=[])[0], Wait)
+
+
+def test_the_dead_host_is_never_chosen_even_if_listed():
+    dead = HostRecord("a", "a:1", total_mib=1 << 20, free_mib=1 << 20, total_vcpus=64,
+                      free_vcpus=64)
+    got = run([SandboxRecord("s", "a", State.SUSPENDED, snapshot=SNAP)], live=[dead, *LIVE])
+    assert got == [Move("s", "b", SNAP)]
+
+
+def test_a_pass_counts_what_it_already_placed():
+    # b has room for eight 512 MiB sandboxes, c for two: eleven suspended ones become ten
+    # moves that fit (none overfills a host, as if each move's RAM were already taken) and
+    # one wait, and c gets its share before b is full rather than none at all.
+    live = [HostRecord(h.name, h.address, total_mib=h.total_mib, free_mib=h.free_mib,
+                       total_vcpus=16, free_vcpus=16) for h in LIVE]
+    records = [SandboxRecord(f"s{i:02}", "a", State.SUSPENDED, snapshot=SNAP)
+               for i in range(11)]
+    got = run(records, live=live)
+    to = [m.to_host for m in got if isinstance(m, Move)]
+    assert (to.count("b"), to.count("c")) == (8, 2)
+    assert [type(a).__name__ for a in got].count("Wait") == 1
+    assert "c" in to[:8]
+
+
+class FakeOwnership:
+    """Records moves; a move of ``conflict`` loses its compare-and-set."""
+
+    def __init__(self, records, conflict=()):
+        self.records = {r.id: Versioned(r, i + 1) for i, r in enumerate(records)}
+        self.conflict, self.moves = set(conflict), []
+
+    async def list(self):
+        return 99, dict(self.records)
+
+    async def move(self, current, to_host, state, guards=()):
+        if current.record.id in self.conflict:
+            raise OwnershipConflict("changed since read", None)
+        self.moves.append((current.record.id, to_host, state, guards))
+        new = current.record.moved_to(to_host, state)
+        self.records[new.id] = Versioned(new, 100)
+        return self.records[new.id]
+
+
+async def test_reap_applies_moves_and_failures_with_the_leader_guard():
+    fake = FakeOwnership([
+        SandboxRecord("s1", "a", State.SUSPENDED, gen=4, snapshot=SNAP),
+        SandboxRecord("s2", "a", State.RUNNING, snapshot=SNAP),
+        SandboxRecord("s3", "a", State.SUSPENDED, snapshot=SNAP),  # its owner came back
+        SandboxRecord("s4", "b", State.RUNNING)],  # a live host's: untouched
+        conflict={"s3"})
+    guard = {"target": "CREATE", "key": "bGVhZGVy"}
+    done = await reap(fake, "a", LIVE, guard=guard, request_for=lambda r: Request(512, 1),
+                      k=5)
+    assert [(m[0], m[1], m[2]) for m in fake.moves] == [
+        ("s1", "b", State.SUSPENDED), ("s2", "a", State.FAILED)]
+    assert all(m[3] == (guard,) for m in fake.moves)
+    assert fake.records["s1"].record.gen == 5
+    assert [a.sandbox_id for a in done] == ["s1", "s2"]
