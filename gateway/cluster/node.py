@@ -17,9 +17,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
+import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gateway.cluster.config import ClusterConfig
 from gateway.cluster.errors import ClusterError, Fenced
@@ -29,6 +31,9 @@ from gateway.cluster.records import HostRecord
 from gateway.cluster.routes import RouteCache
 from gateway.sandbox.states import State
 from gateway.tenancy.quotas import usage_of
+
+if TYPE_CHECKING:
+    from gateway.cluster.routing import Forward, ServeHere
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +68,7 @@ def load_of(meminfo: str, cpus: int, sandboxes: list[tuple[State, int]]) -> Load
 
 class ClusterNode:
     def __init__(self, config: ClusterConfig, load: Callable[[], Load], *,
-                 publish_every: float = 5.0) -> None:
+                 publish_every: float = 5.0, rng: random.Random | None = None) -> None:
         if not config.enabled:
             raise ValueError("ClusterNode needs [cluster] enabled = true")
         self.config, self.load, self.publish_every = config, load, publish_every
@@ -77,11 +82,25 @@ class ClusterNode:
         from gateway.cluster.ownership import Ownership
         from gateway.cluster.publisher import Publisher
 
+        from gateway.cluster.placement import Request
+
         self.publisher = Publisher(Ownership(self.client, self.keys), config.host,
                                    self._lease, timeout=config.timeout)
         self.local: Callable[[], list[tuple[str, State]]] = list
         self._publisher: asyncio.Task[None] | None = None
         self._rejoiner: asyncio.Task[None] | None = None
+        # Placement of creates (routing.place): seeded in tests. What a create is assumed
+        # to need: the middleware does not read the body (it streams it to the chosen host).
+        self.rng = rng or random.Random()
+        self.create_request = Request(memory_mib=256, vcpus=1)
+        # Closed with the node, before the client (the key ring, the fleet quota).
+        self.parts: list[Callable[[], Awaitable[None]]] = []
+
+    def place_create(self) -> ServeHere | Forward:
+        from gateway.cluster.routing import place
+
+        return place(self.routes.table.hosts.values(), self.config.host, self.create_request,
+                     k=self.config.placement_choices, rng=self.rng)
 
     def _lease(self) -> int:
         return self.membership.lease if self.membership is not None else 0
@@ -195,6 +214,9 @@ class ClusterNode:
                 task.cancel()
                 await asyncio.wait({task}, timeout=2.0)
         self._rejoiner = self._publisher = None
+        for close in reversed(self.parts):
+            await close()
+        self.parts.clear()
         await self.publisher.aclose()
         await self.routes.aclose()
         if self.membership is not None:
