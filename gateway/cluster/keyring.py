@@ -110,17 +110,21 @@ class KeyRing:
         self.fleet: dict[str, KeyRecord] = {}  # etcd's copy, as watched
         self._revs: dict[str, int] = {}  # each key's mod_revision in etcd
         self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._watcher: Watcher | None = None
         self._writer: asyncio.Task[None] | None = None
         self.applied = 0
 
     def changed(self, key_id: str = "") -> None:
-        """A registry key listener: something changed here; write it out soon."""
-        self._wake.set()
+        """A registry key listener: something changed here; write it out soon. Safe
+        from any thread (the registry is shared with threads; an Event is not)."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wake.set)
 
     async def start(self) -> None:
         """List the directory, apply it here, watch from the next revision, and start the
         writer (which publishes this host's own keys). Raises ClusterError."""
+        self._loop = asyncio.get_running_loop()
         directory = self.keys.api_keys
         result = await self.client.get_prefix(directory)
         self.apply(tuple(wire.Event(wire.EventType.PUT, kv) for kv in result.kvs))
