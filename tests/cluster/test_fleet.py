@@ -153,3 +153,44 @@ def test_two_hosts_creating_at_once_cannot_both_pass_the_limit(etcd3: EtcdCluste
         return outcomes
 
     assert etcd3.loop().run(race()) == [True] * 10
+
+
+def test_the_daemon_wiring_shares_keys_and_checks_quotas(etcd3: EtcdCluster,
+                                                         tmp_path: Path) -> None:
+    """app._share_keys_and_quotas as the daemon calls it: the ring publishes the host's
+    keys and the service's create hook counts the fleet."""
+    from types import SimpleNamespace
+
+    from gateway.http.app import _share_keys_and_quotas
+
+    registry = Registry(tmp_path / "r.db")
+    key, _ = registry.create_key("t", limits={"max_sandboxes": 1})
+    m_a = etcd3.members[0]
+
+    async def run() -> None:
+        node = ClusterNode(_config(etcd3, "host-a", m_a), lambda: Load(16000, 8000, 8, 8, 0))
+        await node.start()
+        service = SimpleNamespace(registry=registry, fleet_quota=None)
+        try:
+            await _share_keys_and_quotas(service, node)  # type: ignore[arg-type]
+            got = None
+            for _ in range(100):
+                got = await node.client.get(node.keys.api_key(key.id))
+                if got is not None:
+                    break
+                await asyncio.sleep(0.02)
+            assert got is not None and b"ab_" not in got.value
+            other = node.keys.usage(key.id, "host-z")
+            await node.client.put(other, b'{"sandboxes": 1, "awake": 1}')
+            limits = quotas.Limits(max_sandboxes=1)
+            try:
+                await service.fleet_quota(key.id, limits, quotas.Usage())
+            except QuotaExceeded:
+                pass
+            else:
+                raise AssertionError("host-z's sandbox was not counted")
+        finally:
+            await node.aclose()
+
+    etcd3.loop(m_a.netns).run(run())
+    registry.close()
