@@ -113,6 +113,7 @@ class KeyRing:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watcher: Watcher | None = None
         self._writer: asyncio.Task[None] | None = None
+        self._restarter: asyncio.Task[None] | None = None
         self.applied = 0
 
     def changed(self, key_id: str = "") -> None:
@@ -151,13 +152,23 @@ class KeyRing:
             self.applied += 1
 
     def _watch_failed(self, exc: BaseException) -> None:
-        if isinstance(exc, Compacted):  # rare: restart from a fresh listing
+        if isinstance(exc, Compacted) and self._restarter is None:  # rare: list again
             log.warning("cluster: key watch compacted; relisting")
-            asyncio.get_running_loop().create_task(self._restart())
+            self._restarter = asyncio.create_task(self._restart(), name="keyring-relist")
 
-    async def _restart(self) -> None:
-        await self.aclose()
-        await self.start()
+    async def _restart(self, pause: float = 1.0) -> None:
+        try:
+            await self._stop()
+            while True:
+                try:
+                    await self.start()
+                    return
+                except ClusterError as exc:
+                    log.warning("cluster: relisting API keys failed (retrying): %s", exc)
+                    await self._stop()
+                    await asyncio.sleep(pause)
+        finally:
+            self._restarter = None
 
     def local(self) -> dict[str, KeyRecord]:
         return {k.id: KeyRecord.of(k, h) for k, h in self.store.keys_with_hashes()}
@@ -195,6 +206,13 @@ class KeyRing:
         self._wake.set()
 
     async def aclose(self) -> None:
+        task, self._restarter = self._restarter, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task}, timeout=2.0)
+        await self._stop()
+
+    async def _stop(self) -> None:
         task, self._writer = self._writer, None
         if task is not None:
             task.cancel()

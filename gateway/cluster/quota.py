@@ -8,6 +8,7 @@ reaper decides), so they still count.
 
 A create on host H (``check``) reads the tenant's directory (one linearizable range at
 revision R), adds the other hosts' counts to H's own (read from H's registry, exact),
+(or its own record's, when higher: creates in flight here reserved there),
 applies the usual decision (``gateway.tenancy.quotas.check_create``) and then **reserves**
 with one transaction: "no key in the tenant's directory changed after R; then H's count
 is its own + 1". Two creates for one tenant on two hosts at once cannot both pass: the
@@ -46,21 +47,28 @@ def encode(usage: Usage) -> bytes:
     return json.dumps({"sandboxes": usage.sandboxes, "awake": usage.awake}).encode()
 
 
-def others(keys: Keys, tenant: str, host: str, kvs: Iterable[wire.KeyValue]) -> Usage:
-    """The sum of every other host's published usage for ``tenant`` (no I/O); a record
-    that does not parse counts as nothing (logged)."""
+def counts(keys: Keys, tenant: str, host: str, kvs: Iterable[wire.KeyValue]
+           ) -> tuple[Usage, Usage]:
+    """(every other host's published usage for ``tenant`` summed, ``host``'s own record)
+    (no I/O); a record that does not parse counts as nothing (logged)."""
     directory = keys.usage_of(tenant)
-    sandboxes = awake = 0
+    other, mine = [0, 0], [0, 0]
     for kv in kvs:
-        if keys.name_in(directory, kv.key) == host:
-            continue
+        into = mine if keys.name_in(directory, kv.key) == host else other
         try:
             data = json.loads(kv.value)
-            sandboxes += max(0, int(data["sandboxes"]))
-            awake += max(0, int(data["awake"]))
+            into[0] += max(0, int(data["sandboxes"]))
+            into[1] += max(0, int(data["awake"]))
         except (ValueError, TypeError, KeyError):
             log.warning("cluster: skipping usage record %r", kv.key)
-    return Usage(sandboxes, awake)
+    return Usage(*other), Usage(*mine)
+
+
+def here(local: Usage, mine: Usage) -> Usage:
+    """This host's count: its registry's, or its record's when higher (creates in flight
+    here have reserved there before their insert)."""
+    return Usage(max(local.sandboxes, mine.sandboxes), max(local.awake, mine.awake),
+                 local.disk_bytes)
 
 
 def total(local: Usage, other: Usage) -> Usage:
@@ -107,15 +115,16 @@ class FleetQuota:
                        ) -> None:
         directory = self.keys.usage_of(tenant)
         end = wire.prefix_end(directory)
-        mine = self.keys.usage(tenant, self.host)
+        own_key = self.keys.usage(tenant, self.host)
         for _ in range(self.attempts):
             result = await self.client.get_prefix(directory)
-            quotas.check_create(tenant, limits, total(local, others(
-                self.keys, tenant, self.host, result.kvs)), disk_mib)
-            reserved = Usage(local.sandboxes + 1, local.awake + 1)
+            other, mine = counts(self.keys, tenant, self.host, result.kvs)
+            ours = here(local, mine)
+            quotas.check_create(tenant, limits, total(ours, other), disk_mib)
+            reserved = Usage(ours.sandboxes + 1, ours.awake + 1)
             unchanged = {**wire.compare(directory, wire.Target.MOD, result.revision + 1,
                                         "LESS"), "range_end": wire.b64(end)}
-            txn = await self.client.txn([unchanged], [wire.op_put(mine, encode(reserved))])
+            txn = await self.client.txn([unchanged], [wire.op_put(own_key, encode(reserved))])
             if txn.succeeded:
                 self._written[tenant] = reserved
                 return

@@ -16,7 +16,7 @@ from gateway.cluster.errors import ProtocolError
 from gateway.cluster.keyring import KeyRecord, KeyRing, merge, plan
 from gateway.cluster.keys import Keys
 from gateway.cluster.placement import Request
-from gateway.cluster.quota import encode, others, total
+from gateway.cluster.quota import counts, encode, here, total
 from gateway.cluster.records import HostRecord
 from gateway.store.registry import Registry, hash_key
 from gateway.tenancy.quotas import Usage
@@ -157,7 +157,10 @@ def test_fleet_usage_sums_other_hosts_and_skips_junk() -> None:
         return wire.KeyValue(KEYS.usage("key_1", h).encode(), value, 1, 1, 1, 0)
     kvs = [kv("host-a", encode(Usage(3, 2))), kv("host-b", encode(Usage(5, 5))),
            kv("host-c", b"nope"), kv("host-d", encode(Usage(1, 0)))]
-    assert others(KEYS, "key_1", "host-b", kvs) == Usage(4, 2)
+    assert counts(KEYS, "key_1", "host-b", kvs) == (Usage(4, 2), Usage(5, 5))
     assert total(Usage(1, 1, 99), Usage(4, 2)) == Usage(5, 3, 99)
+    # a create in flight here reserved 5 before its insert: count 5, not the registry's 4
+    assert here(Usage(4, 4, 7), Usage(5, 5)) == Usage(5, 5, 7)
+    assert here(Usage(6, 1), Usage(5, 5)) == Usage(6, 5)
     with pytest.raises(ValueError):
         KEYS.usage("key/../x", "host-a")
