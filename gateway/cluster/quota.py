@@ -109,7 +109,8 @@ class FleetQuota:
             await self._reserve(tenant, limits, local, disk_mib)
         except ClusterError as exc:
             raise Unavailable(f"cannot count key {tenant}'s sandboxes across the fleet "
-                              f"(etcd: {exc}): retry") from exc
+                              f"(etcd: {exc}): retry",
+                              headers={"Retry-After": "5"}) from exc
 
     async def _reserve(self, tenant: str, limits: Limits, local: Usage, disk_mib: int
                        ) -> None:

@@ -12,14 +12,15 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from gateway.cluster import routing, wire
-from gateway.cluster.errors import ProtocolError
+from gateway.cluster.errors import EtcdUnavailable, ProtocolError
 from gateway.cluster.keyring import KeyRecord, KeyRing, merge, plan
 from gateway.cluster.keys import Keys
 from gateway.cluster.placement import Request
-from gateway.cluster.quota import counts, encode, here, total
+from gateway.cluster.quota import FleetQuota, counts, encode, here, total
 from gateway.cluster.records import HostRecord
 from gateway.store.registry import Registry, hash_key
-from gateway.tenancy.quotas import Usage
+from gateway.errors import Unavailable
+from gateway.tenancy.quotas import Limits, Usage
 from tests.unit.cluster_gateways import KEY, FakeNode, build
 
 KEYS = Keys("/t")
@@ -164,3 +165,21 @@ def test_fleet_usage_sums_other_hosts_and_skips_junk() -> None:
     assert here(Usage(6, 1), Usage(5, 5)) == Usage(6, 5)
     with pytest.raises(ValueError):
         KEYS.usage("key/../x", "host-a")
+
+
+class _DeadEtcd:
+    calls = 0
+
+    async def get_prefix(self, *_: object, **__: object) -> None:
+        self.calls += 1
+        raise EtcdUnavailable("no etcd endpoint answered")
+
+
+async def test_a_quota_that_cannot_be_counted_is_not_waived() -> None:
+    etcd = _DeadEtcd()
+    quota = FleetQuota(etcd, KEYS, "host-a", lambda t: Usage(), set)  # type: ignore[arg-type]
+    with pytest.raises(Unavailable) as caught:
+        await quota.check("key_1", Limits(max_sandboxes=3), Usage())
+    assert caught.value.status == 503 and caught.value.headers["Retry-After"]
+    await quota.check("key_1", Limits(), Usage())  # nothing to count: etcd not asked
+    assert etcd.calls == 1
