@@ -64,8 +64,12 @@ class Keys:
     def api_key(self, key_id: str) -> str:
         return self.api_keys + check_sandbox_id(key_id)  # key ids: the same alphabet
 
+    @property
+    def usage_root(self) -> str:
+        return f"{self.prefix}/usage/"
+
     def usage_of(self, tenant: str) -> str:
-        return f"{self.prefix}/usage/{check_sandbox_id(tenant)}/"
+        return f"{self.usage_root}{check_sandbox_id(tenant)}/"
 
     def usage(self, tenant: str, host: str) -> str:
         return self.usage_of(tenant) + check_host_name(host)

@@ -132,7 +132,23 @@ class FleetQuota:
         raise QuotaExceeded(f"key {tenant}: too many concurrent creates across the fleet; "
                             "retry")
 
+    async def _mine_in_etcd(self) -> set[str]:
+        """Tenants with a usage record of this host (some may have none here any more:
+        destroyed while the daemon was down); empty if etcd does not answer now."""
+        try:
+            result = await self.client.get_prefix(self.keys.usage_root)
+        except ClusterError as exc:
+            log.warning("cluster: listing usage records failed: %s", exc)
+            return set()
+        found = set()
+        for kv in result.kvs:
+            tenant, _, host = self.keys.name_in(self.keys.usage_root, kv.key).partition("/")
+            if host == self.host:
+                found.add(tenant)
+        return found
+
     async def _run(self) -> None:
+        self._dirty |= await self._mine_in_etcd()
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), self.scan_every)

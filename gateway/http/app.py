@@ -236,13 +236,21 @@ async def _share_keys_and_quotas(service: SandboxService, node: cluster_node.Clu
     registry, host = service.registry, node.config.host
     ring = KeyRing(node.client, node.keys, registry)
     registry.key_listeners.append(ring.changed)
-    node.parts.append(ring.aclose)
+
+    async def close_ring() -> None:
+        registry.key_listeners.remove(ring.changed)
+        await ring.aclose()
+    node.parts.append(close_ring)
     await ring.start()
     quota = FleetQuota(node.client, node.keys, host,
                        lambda t: usage_of(r.state for r in registry.list(t)),
                        lambda: {r.tenant for r in registry.list()})
     registry.listeners.append(quota.heard)
-    node.parts.append(quota.aclose)
+
+    async def close_quota() -> None:
+        registry.listeners.remove(quota.heard)
+        await quota.aclose()
+    node.parts.append(close_quota)
     quota.start()
     service.fleet_quota = quota.check
 

@@ -173,6 +173,8 @@ def test_the_daemon_wiring_shares_keys_and_checks_quotas(etcd3: EtcdCluster,
         node = ClusterNode(_config(etcd3, "host-a", m_a), lambda: Load(16000, 8000, 8, 8, 0))
         await node.start()
         service = SimpleNamespace(registry=registry, fleet_quota=None)
+        stale = node.keys.usage("key_gone", "host-a")  # from before a crash: none here now
+        await node.client.put(stale, b'{"sandboxes": 2, "awake": 0}')
         try:
             await _share_keys_and_quotas(service, node)  # type: ignore[arg-type]
             got = None
@@ -182,6 +184,12 @@ def test_the_daemon_wiring_shares_keys_and_checks_quotas(etcd3: EtcdCluster,
                     break
                 await asyncio.sleep(0.02)
             assert got is not None and b"ab_" not in got.value
+            for _ in range(100):
+                if await node.client.get(stale) is None:
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                raise AssertionError("this host's stale usage record was not removed")
             other = node.keys.usage(key.id, "host-z")
             await node.client.put(other, b'{"sandboxes": 1, "awake": 1}')
             limits = quotas.Limits(max_sandboxes=1)
