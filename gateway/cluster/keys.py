@@ -3,6 +3,9 @@
     {prefix}/hosts/{host}            HostRecord JSON, on the host's lease (gone when it dies)
     {prefix}/sandboxes/{sandbox_id}  SandboxRecord JSON {host, state, snapshot, gen}
     {prefix}/elections/{name}        etcd election keys (the reaper, later)
+    {prefix}/apikeys/{key_id}        KeyRecord JSON (gateway.cluster.keyring): the hash, never
+                                     the secret
+    {prefix}/usage/{key_id}/{host}   a tenant's sandboxes on one host (gateway.cluster.quota)
 
 ``prefix`` defaults to ``/agentbox``; tests and fleets sharing one etcd give each their own.
 Names are checked here so a key can never be made to escape its directory.
@@ -53,6 +56,23 @@ class Keys:
 
     def sandbox(self, sandbox_id: str) -> str:
         return self.sandboxes + check_sandbox_id(sandbox_id)
+
+    @property
+    def api_keys(self) -> str:
+        return f"{self.prefix}/apikeys/"
+
+    def api_key(self, key_id: str) -> str:
+        return self.api_keys + check_sandbox_id(key_id)  # key ids: the same alphabet
+
+    @property
+    def usage_root(self) -> str:
+        return f"{self.prefix}/usage/"
+
+    def usage_of(self, tenant: str) -> str:
+        return f"{self.usage_root}{check_sandbox_id(tenant)}/"
+
+    def usage(self, tenant: str, host: str) -> str:
+        return self.usage_of(tenant) + check_host_name(host)
 
     def election(self, name: str) -> str:
         return f"{self.prefix}/elections/{check_host_name(name)}"

@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
+import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,6 +35,7 @@ from gateway.tenancy.quotas import usage_of
 if TYPE_CHECKING:
     from gateway.cluster.objstore import ObjectStore
     from gateway.cluster.ownership import Ownership
+    from gateway.cluster.routing import Forward, ServeHere
     from gateway.cluster.shipper import Shipper
 
 log = logging.getLogger(__name__)
@@ -69,7 +71,7 @@ def load_of(meminfo: str, cpus: int, sandboxes: list[tuple[State, int]]) -> Load
 
 class ClusterNode:
     def __init__(self, config: ClusterConfig, load: Callable[[], Load], *,
-                 publish_every: float = 5.0) -> None:
+                 publish_every: float = 5.0, rng: random.Random | None = None) -> None:
         if not config.enabled:
             raise ValueError("ClusterNode needs [cluster] enabled = true")
         self.config, self.load, self.publish_every = config, load, publish_every
@@ -83,6 +85,8 @@ class ClusterNode:
         from gateway.cluster.ownership import Ownership
         from gateway.cluster.publisher import Publisher
 
+        from gateway.cluster.placement import Request
+
         self.publisher = Publisher(Ownership(self.client, self.keys), config.host,
                                    self._lease, timeout=config.timeout)
         self.local: Callable[[], list[tuple[str, State]]] = list
@@ -93,6 +97,18 @@ class ClusterNode:
                                                     self._lease)
         self._publisher: asyncio.Task[None] | None = None
         self._rejoiner: asyncio.Task[None] | None = None
+        # Placement of creates (routing.place): seeded in tests. What a create is assumed
+        # to need: the middleware does not read the body (it streams it to the chosen host).
+        self.rng = rng or random.Random()
+        self.create_request = Request(memory_mib=256, vcpus=1)
+        # Closed with the node, before the client (the key ring, the fleet quota).
+        self.parts: list[Callable[[], Awaitable[None]]] = []
+
+    def place_create(self) -> ServeHere | Forward:
+        from gateway.cluster.routing import place
+
+        return place(self.routes.table.hosts.values(), self.config.host, self.create_request,
+                     k=self.config.placement_choices, rng=self.rng)
 
     def _lease(self) -> int:
         return self.membership.lease if self.membership is not None else 0
@@ -206,6 +222,9 @@ class ClusterNode:
                 task.cancel()
                 await asyncio.wait({task}, timeout=2.0)
         self._rejoiner = self._publisher = None
+        for close in reversed(self.parts):
+            await close()
+        self.parts.clear()
         await self.publisher.aclose()
         if self.shipper is not None:
             await self.shipper.aclose()

@@ -20,9 +20,14 @@ The rules, in order:
 
 from __future__ import annotations
 
+import random
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from gateway.cluster import placement
+from gateway.cluster.errors import NoCapacity
+from gateway.cluster.records import HostRecord
 from gateway.cluster.routes import Route
 
 HOP_HEADER = "X-AgentBox-Forwarded"  # value: the forwarding host's name
@@ -68,6 +73,20 @@ def decide(sandbox_id: str, route: Route | None, self_host: str, *,
         return Refuse("owner_unavailable", f"sandbox {sandbox_id} is owned by {route.host}, "
                       "which is not live (no host record): retry later")
     return Forward(route.host, route.address, route.gen)
+
+
+def place(hosts: Iterable[HostRecord], self_host: str, request: placement.Request, *,
+          k: int, rng: random.Random) -> ServeHere | Forward:
+    """Where a create that reached this host (not forwarded) is made: the host placement
+    chooses among live hosts' published loads. Here when this host is chosen, or when no
+    host looks able to take it (this host then answers with its own admission)."""
+    try:
+        chosen = placement.choose(hosts, request, k=k, rng=rng)
+    except NoCapacity:
+        return ServeHere()
+    if chosen.name == self_host:
+        return ServeHere()
+    return Forward(chosen.name, chosen.address, 0)
 
 
 def client_of(forwarded_by: str | None, remote: str | None, forwarded_for: str,

@@ -194,6 +194,7 @@ async def _serve(app: web.Application, config: Config,
             config.cluster, lambda: [(r.state, r.vcpus) for r in registry.list()])
         if node is not None:
             _route_through(app, config, registry, node)
+            await _share_keys_and_quotas(service, node)
         log.info("agentbox ready on http://%s, dashboard at /dashboard (vmm %s/%s; "
                  "templates: %s)", config.server.listen, backend.driver_name, backend.accel.value,
                  ", ".join(sorted(goldens)) or "none")
@@ -228,6 +229,36 @@ def _route_through(app: web.Application, config: Config, registry: Registry,
     cluster_forward.attach(app, node, Forwarder(
         config.cluster.host, server.proxy_connect_timeout, server.proxy_read_timeout,
         server.max_ws_message_bytes))
+
+
+async def _share_keys_and_quotas(service: SandboxService, node: cluster_node.ClusterNode
+                                 ) -> None:
+    """[cluster] on: API keys replicated through etcd (every host's registry stays the
+    cache auth reads) and each key's sandbox limits counted over the fleet."""
+    from gateway.cluster.keyring import KeyRing
+    from gateway.cluster.quota import FleetQuota
+    from gateway.tenancy.quotas import usage_of
+
+    registry, host = service.registry, node.config.host
+    ring = KeyRing(node.client, node.keys, registry)
+    registry.key_listeners.append(ring.changed)
+
+    async def close_ring() -> None:
+        registry.key_listeners.remove(ring.changed)
+        await ring.aclose()
+    node.parts.append(close_ring)
+    await ring.start()
+    quota = FleetQuota(node.client, node.keys, host,
+                       lambda t: usage_of(r.state for r in registry.list(t)),
+                       lambda: {r.tenant for r in registry.list()})
+    registry.listeners.append(quota.heard)
+
+    async def close_quota() -> None:
+        registry.listeners.remove(quota.heard)
+        await quota.aclose()
+    node.parts.append(close_quota)
+    quota.start()
+    service.fleet_quota = quota.check
 
 
 def serve(config: Config) -> None:

@@ -58,10 +58,8 @@ async def cluster_middleware(request: web.Request, handler: Handler) -> web.Stre
         return await handler(request)
     sandbox_id, on_host = sandbox_of(request)
     if sandbox_id is None:
-        if node.fenced is not None and request.method == "POST" and \
-                request.path == "/v1/sandboxes" and not on_host:
-            raise HostFenced(f"host {node.config.host} is fenced ({node.fenced}): it "
-                             "creates no sandboxes until it rejoins the fleet")
+        if request.method == "POST" and request.path == "/v1/sandboxes" and not on_host:
+            return await _create(request, handler, node)
         return await handler(request)
     forwarded_by = request.headers.get(routing.HOP_HEADER)
     decision = routing.decide(sandbox_id, node.routes.route(sandbox_id), node.config.host,
@@ -80,6 +78,21 @@ async def cluster_middleware(request: web.Request, handler: Handler) -> web.Stre
                                request.headers.get("X-Forwarded-For", ""),
                                node.routes.addresses())
     return await handler(request.clone(remote=client) if client else request)
+
+
+async def _create(request: web.Request, handler: Handler, node: ClusterNode
+                  ) -> web.StreamResponse:
+    """A create: refused when fenced (its record could not be published); else made
+    where placement says, forwarded once (the chosen host answers, full or not)."""
+    if node.fenced is not None:
+        raise HostFenced(f"host {node.config.host} is fenced ({node.fenced}): it "
+                         "creates no sandboxes until it rejoins the fleet")
+    if request.headers.get(routing.HOP_HEADER) is None:
+        decision = node.place_create()
+        if isinstance(decision, routing.Forward):
+            return await request.app[FORWARDER_KEY].forward(request, decision.host,
+                                                            decision.address)
+    return await handler(request)
 
 
 def attach(app: web.Application, node: ClusterNode, forwarder: Forwarder) -> None:

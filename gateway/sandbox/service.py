@@ -18,7 +18,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,9 @@ class SandboxService:
         self._expiry_task: asyncio.Task | None = None
         self.run_id: int | None = None  # this daemon's row in daemon_runs (gateway.tenancy.usage)
         self.shapes = ShapeGoldens(backend, goldens, self.spawn)
+        # [cluster] on: gateway.cluster.quota.FleetQuota.check (a key's limits over the fleet).
+        self.fleet_quota: Callable[[str, quotas.Limits, quotas.Usage], Awaitable[None]] | None \
+            = None
 
     @property
     def sandboxes_dir(self) -> Path:
@@ -111,6 +114,8 @@ class SandboxService:
         limits = self.limits(tenant)
         quotas.check_create(tenant, limits, self.tenant_usage(tenant, bool(limits.max_disk_mib)),
                             self._counted_disk(golden, shape))
+        if self.fleet_quota is not None:  # [cluster]: the key's sandboxes on every host
+            await self.fleet_quota(tenant, limits, self.tenant_usage(tenant))
         times = expiry.at_create(lifetime or expiry.Lifetimes(), self.config.sandbox,
                                     time.time())
         if builtin and shape == resources.Shape(golden.vcpus, golden.mem_mib, golden.disk_mib):

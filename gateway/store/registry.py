@@ -133,6 +133,10 @@ class Registry:
         # gateway.cluster.publisher): must not block; an exception is logged, never raised
         # into the caller, and undoes nothing.
         self.listeners: list[Callable[[Transition], None]] = []
+        # Called with a key's id after it is minted, its limits change or it is revoked
+        # here (with [cluster] on: gateway.cluster.keyring, which replicates keys); same
+        # rules as ``listeners``. ``store_key`` (a change heard from the fleet) calls none.
+        self.key_listeners: list[Callable[[str], None]] = []
 
     def _migrate(self) -> None:
         """Bring a database made by an older daemon up to SCHEMA (columns added since)."""
@@ -168,6 +172,7 @@ class Registry:
                          "VALUES (?, ?, ?, ?, ?, ?)",
                          (key.id, name, hash_key(secret), int(admin), key.created_at,
                           json.dumps(key.limits)))
+        self._key_changed(key.id)
         return key, secret
 
     def lookup_key(self, secret: str) -> ApiKey | None:
@@ -186,12 +191,38 @@ class Registry:
         return [_key_row(r) for r in rows]
 
     def set_key_limits(self, key_id: str, limits: dict[str, Any]) -> bool:
-        return self._db.execute("UPDATE api_keys SET limits = ? WHERE id = ?",
+        done = self._db.execute("UPDATE api_keys SET limits = ? WHERE id = ?",
                                 (json.dumps(limits), key_id)).rowcount > 0
+        return self._key_changed(key_id) if done else False
 
     def revoke_key(self, key_id: str) -> bool:
-        return self._db.execute("UPDATE api_keys SET revoked = 1 WHERE id = ?",
+        done = self._db.execute("UPDATE api_keys SET revoked = 1 WHERE id = ?",
                                 (key_id,)).rowcount > 0
+        return self._key_changed(key_id) if done else False
+
+    def _key_changed(self, key_id: str) -> bool:
+        for listener in list(self.key_listeners):
+            try:
+                listener(key_id)
+            except Exception:
+                log.exception("key listener failed for %s", key_id)
+        return True
+
+    def keys_with_hashes(self) -> list[tuple[ApiKey, str]]:
+        """Every key (revoked too) with its stored hash: what a fleet replicates."""
+        rows = self._db.execute("SELECT * FROM api_keys ORDER BY created_at")
+        return [(_key_row(r), r["key_hash"]) for r in rows]
+
+    def store_key(self, key: ApiKey, key_hash: str) -> None:
+        """Insert or update a key heard from the fleet (no listeners called). Revocation
+        is final: a revoked key stays revoked whatever arrives later."""
+        self._db.execute(
+            "INSERT INTO api_keys (id, name, key_hash, admin, created_at, revoked, limits) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET name = excluded.name, "
+            "key_hash = excluded.key_hash, admin = excluded.admin, limits = excluded.limits, "
+            "revoked = MAX(revoked, excluded.revoked)",
+            (key.id, key.name, key_hash, int(key.admin), key.created_at, int(key.revoked),
+             json.dumps(key.limits)))
 
     def has_admin_key(self) -> bool:
         return self._db.execute(

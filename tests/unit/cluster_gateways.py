@@ -41,10 +41,16 @@ class FakeNode:
     host: str
     routes: Any = field(default_factory=FakeRoutes)
     fenced: str | None = None
+    placed: Any = None  # what place_create answers (None: serve here)
 
     @property
     def config(self) -> Any:
         return self
+
+    def place_create(self) -> Any:
+        from gateway.cluster.routing import ServeHere
+
+        return self.placed or ServeHere()
 
 
 def build(node: Any, sandboxes: set[str], timeout: float = 5.0) -> web.Application:
