@@ -300,7 +300,23 @@ export interface ServerInfo {
   sessionDomain: string | undefined;
   previewUrlTemplate: string | undefined;
   sessionUrlTemplate: string | undefined;
+  /** The key the request was made with (servers since the dashboard name it). */
+  key: KeyRef | undefined;
   raw: Json;
+}
+
+/** An API key as the server names it: never its secret. */
+export interface KeyRef {
+  id: string;
+  name: string;
+  admin: boolean;
+}
+
+function parseKeyRef(data: unknown): KeyRef | undefined {
+  if (typeof data !== "object" || data === null) return undefined;
+  const d = data as Json;
+  const id = strOrNull(d.id);
+  return id === null ? undefined : { id, name: strOrNull(d.name) ?? "", admin: d.admin === true };
 }
 
 export function parseServerInfo(data: unknown): ServerInfo {
@@ -310,7 +326,8 @@ export function parseServerInfo(data: unknown): ServerInfo {
     previewDomain: strOrNull(d.preview_domain) ?? undefined,
     sessionDomain: strOrNull(d.session_domain) ?? undefined,
     previewUrlTemplate: strOrNull(d.preview_url_template) ?? undefined,
-    sessionUrlTemplate: strOrNull(d.session_url_template) ?? undefined, raw: d,
+    sessionUrlTemplate: strOrNull(d.session_url_template) ?? undefined,
+    key: parseKeyRef(d.key), raw: d,
   };
 }
 
