@@ -33,6 +33,7 @@ from gateway.cluster.errors import ClusterError, Compacted, ProtocolError
 from gateway.cluster.etcd import EtcdClient
 from gateway.cluster.keys import Keys
 from gateway.cluster.watch import Watcher
+from gateway.cluster import tasks
 from gateway.store.registry import ApiKey
 
 log = logging.getLogger(__name__)
@@ -207,16 +208,12 @@ class KeyRing:
 
     async def aclose(self) -> None:
         task, self._restarter = self._restarter, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait({task}, timeout=2.0)
+        await tasks.stop(task)
         await self._stop()
 
     async def _stop(self) -> None:
         task, self._writer = self._writer, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait({task}, timeout=2.0)
+        await tasks.stop(task)
         if self._watcher is not None:
             await self._watcher.aclose()
             self._watcher = None

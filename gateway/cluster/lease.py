@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from gateway.cluster.errors import ClusterError, EtcdUnavailable, LeaseNotFound
 from gateway.cluster.etcd import EtcdClient
+from gateway.cluster import tasks
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +91,7 @@ class LeaseKeeper:
     async def aclose(self, timeout: float = 2.0) -> None:
         """Idempotent: stop renewing (the lease then expires unless revoked)."""
         task, self._task = self._task, None
-        if task is None or task.done():
-            return
-        task.cancel()
-        # wait() neither raises the task's outcome nor swallows our own cancellation.
-        await asyncio.wait({task}, timeout=timeout)
+        await tasks.stop(task, timeout)
 
     async def _run(self) -> None:
         """Fails safe: if the loop itself breaks (a bug), the lease counts as lost."""

@@ -29,6 +29,7 @@ from gateway.cluster.etcd import EtcdClient
 from gateway.cluster.membership import HostNameTaken, Membership, MemberState
 from gateway.cluster.records import HostRecord
 from gateway.cluster.routes import RouteCache
+from gateway.cluster import tasks
 from gateway.sandbox.states import State
 from gateway.tenancy.quotas import usage_of
 
@@ -218,9 +219,7 @@ class ClusterNode:
         """Idempotent: stop publishing, stop the route cache, leave (revoking the lease, so
         the record goes at once), close the client."""
         for task in (self._rejoiner, self._publisher):
-            if task is not None:
-                task.cancel()
-                await asyncio.wait({task}, timeout=2.0)
+            await tasks.stop(task)
         self._rejoiner = self._publisher = None
         for close in reversed(self.parts):
             await close()

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from gateway.cluster.errors import ClusterError, OwnershipConflict
 from gateway.cluster.ownership import Ownership, Versioned
 from gateway.cluster.records import SandboxRecord
+from gateway.cluster import tasks
 from gateway.sandbox.states import State
 from gateway.store.feed import Transition
 
@@ -121,6 +122,4 @@ class Publisher:
 
     async def aclose(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait({task}, timeout=2.0)
+        await tasks.stop(task)

@@ -35,6 +35,7 @@ from gateway.cluster import wire
 from gateway.cluster.errors import ClusterError
 from gateway.cluster.etcd import EtcdClient
 from gateway.cluster.keys import Keys
+from gateway.cluster import tasks
 from gateway.errors import QuotaExceeded, Unavailable
 from gateway.store.feed import Transition
 from gateway.tenancy import quotas
@@ -180,6 +181,4 @@ class FleetQuota:
 
     async def aclose(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait({task}, timeout=2.0)
+        await tasks.stop(task)

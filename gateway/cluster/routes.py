@@ -24,6 +24,7 @@ from gateway.cluster.etcd import EtcdClient
 from gateway.cluster.keys import Keys
 from gateway.cluster.records import HostRecord, SandboxRecord
 from gateway.cluster.watch import Watcher
+from gateway.cluster import tasks
 
 log = logging.getLogger(__name__)
 PAGE = 500
@@ -175,8 +176,6 @@ class RouteCache:
     async def aclose(self) -> None:
         self._closed = True
         task = self._relist_task
-        if task is not None:
-            task.cancel()
-            await asyncio.wait({task}, timeout=2.0)
+        await tasks.stop(task)
         if self._watcher is not None:
             await self._watcher.aclose()

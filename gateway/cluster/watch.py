@@ -24,6 +24,7 @@ from collections.abc import Callable
 from gateway.cluster import wire
 from gateway.cluster.errors import ClusterError, Compacted
 from gateway.cluster.etcd import EtcdClient
+from gateway.cluster import tasks
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +63,7 @@ class Watcher:
     async def aclose(self, timeout: float = 2.0) -> None:
         """Idempotent: stop the task and wait (bounded) for it to end."""
         task, self._task = self._task, None
-        if task is None or task.done():
-            return
-        task.cancel()
-        # wait() neither raises the task's outcome nor swallows our own cancellation.
-        await asyncio.wait({task}, timeout=timeout)
+        await tasks.stop(task, timeout)
 
     def deliver(self, batch: wire.WatchBatch) -> None:
         """Apply one stream message (sans-IO: tests drive it directly)."""
