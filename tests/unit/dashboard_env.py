@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from types import SimpleNamespace
 
 from aiohttp import web
 
@@ -20,8 +19,7 @@ from gateway.preview.access import ACCESS_KEY, AccessStore
 from gateway.sandbox.states import Event
 from gateway.store.registry import Registry, SandboxRecord
 from gateway.tenancy.quotas import TenancyConfig
-from tests.unit.test_tenancy_api import FakeController, FakeService
-from vmctl.network import NetworkConfig
+from tests.unit.test_tenancy_api import FakeController, FakeService, fake_host
 
 
 class SuspendingController(FakeController):
@@ -51,11 +49,7 @@ def build(tmp_path: Path) -> tuple[web.Application, Registry, str]:
     config = Config(server=ServerConfig(data_dir=tmp_path), tenancy=TenancyConfig(
         max_sandboxes=50, max_awake=50, max_disk_mib=0, rate=0, address_rate=0))
     registry = Registry(tmp_path / "r.sqlite")
-    golden = SimpleNamespace(template="python", dir=tmp_path / "golden", mem_mib=256,
-                             vcpus=1, disk_mib=1024)
-    backend = SimpleNamespace(config=SimpleNamespace(network=NetworkConfig(
-        pool="169.254.64.0/18")), driver_name="qemu", accel=SimpleNamespace(value="tcg"),
-        reason="test")
+    golden, backend = fake_host(tmp_path)
     service = Service(config, registry, backend, {"python": golden})  # type: ignore[arg-type]
     app = web.Application(middlewares=[error_middleware, api_error_middleware,
                                        auth_middleware, key_rate_middleware])

@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -38,8 +37,7 @@ from gateway.tenancy.quotas import TenancyConfig
 from gateway.http.ratelimit import LIMITER_KEY, RateLimiter, key_rate_middleware
 from gateway.store.registry import Registry
 from tests.contract import check_answer
-from tests.unit.test_tenancy_api import FakeService
-from vmctl.network import NetworkConfig
+from tests.unit.test_tenancy_api import FakeService, fake_host
 
 
 @pytest.fixture
@@ -47,11 +45,7 @@ async def app_client(tmp_path: Path, aiohttp_client):
     config = Config(server=ServerConfig(data_dir=tmp_path), tenancy=TenancyConfig(
         max_sandboxes=3, max_awake=2, max_disk_mib=0, rate=0, address_rate=0))
     registry = Registry(tmp_path / "r.sqlite")
-    golden = SimpleNamespace(template="python", dir=tmp_path / "golden", mem_mib=256,
-                             vcpus=1, disk_mib=1024)
-    backend = SimpleNamespace(config=SimpleNamespace(network=NetworkConfig(
-        pool="169.254.64.0/18")), driver_name="qemu", accel=SimpleNamespace(value="tcg"),
-        reason="test")
+    golden, backend = fake_host(tmp_path)
     service = FakeService(config, registry, backend, {"python": golden})  # type: ignore
     app = web.Application(middlewares=[error_middleware, api_error_middleware,
                                        auth_middleware, key_rate_middleware])

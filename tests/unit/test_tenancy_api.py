@@ -71,15 +71,22 @@ class FakeService(SandboxService):
         return ctl  # type: ignore[return-value]
 
 
+def fake_host(tmp_path) -> tuple[SimpleNamespace, SimpleNamespace]:
+    """A "python" golden and a backend with only what the service reads (no VMs)."""
+    golden = SimpleNamespace(template="python", dir=tmp_path / "golden", mem_mib=256,
+                             vcpus=1, disk_mib=1024)
+    backend = SimpleNamespace(config=SimpleNamespace(network=NetworkConfig(
+        pool="169.254.64.0/18")), driver_name="qemu", accel=SimpleNamespace(value="tcg"),
+        reason="test")
+    return golden, backend
+
+
 @pytest.fixture
 async def env(tmp_path, aiohttp_client):
     config = Config(server=ServerConfig(data_dir=tmp_path), tenancy=TenancyConfig(
         max_sandboxes=3, max_awake=2, max_disk_mib=0, rate=0, address_rate=0))
     registry = Registry(tmp_path / "r.sqlite")
-    golden = SimpleNamespace(template="python", dir=tmp_path / "golden", mem_mib=256,
-                             vcpus=1, disk_mib=1024)
-    backend = SimpleNamespace(config=SimpleNamespace(network=NetworkConfig(
-        pool="169.254.64.0/18")))
+    golden, backend = fake_host(tmp_path)
     service = FakeService(config, registry, backend, {"python": golden})  # type: ignore[arg-type]
     app = web.Application(middlewares=[api_error_middleware, auth_middleware,
                                        key_rate_middleware])
