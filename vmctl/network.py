@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ipaddress
+import re
 import logging
 import os
 import socket
@@ -75,8 +76,14 @@ class NetworkConfig:
     # Where the sandboxes' resolver (vmctl.dnsfwd) forwards allowed names: "ADDR" or
     # "ADDR:PORT"; empty: the first nameserver of the host's /etc/resolv.conf.
     dns_upstream: str = ""
+    # Every sandbox's namespace is this + its id. Two daemons on one kernel (a test fleet
+    # of hosts in namespaces) need different prefixes: a sandbox that moves keeps its id.
+    netns_prefix: str = NETNS_PREFIX
 
     def __post_init__(self) -> None:
+        if not re.fullmatch(r"[a-z][a-z0-9-]{0,22}-", self.netns_prefix):
+            raise ValueError("network.netns_prefix must be a lowercase name ending in '-' "
+                             f"(at most 24 characters): {self.netns_prefix!r}")
         if isinstance(self.egress_allow, (str, bytes)):
             raise ValueError("network.egress_allow must be a list of CIDRs")
         object.__setattr__(self, "egress_allow", tuple(self.egress_allow))
@@ -118,7 +125,7 @@ def slot_for(index: int, vm_id: str, config: NetworkConfig) -> NetSlot:
     base = ipaddress.ip_network(config.pool).network_address + 4 * index
     # The host-side name derives from the address, so two daemons with different pools
     # on one host can never collide on interface names.
-    return NetSlot(index=index, netns=NETNS_PREFIX + vm_id, host_if=f"ab{int(base) & 0xffffff:06x}",
+    return NetSlot(index=index, netns=config.netns_prefix + vm_id, host_if=f"ab{int(base) & 0xffffff:06x}",
                    host_addr=str(base + 1), guest_addr=str(base + 2))
 
 
@@ -293,6 +300,6 @@ def _teardown_quiet(slot: NetSlot) -> None:
         log.exception("rollback of %s failed", slot.netns)
 
 
-def list_namespaces() -> list[str]:
-    """Names of every agentbox namespace on the host (for reconciliation)."""
-    return [n for n in netns.listnetns() if n.startswith(NETNS_PREFIX)]
+def list_namespaces(prefix: str = NETNS_PREFIX) -> list[str]:
+    """Names of every namespace with ``prefix`` (one daemon's: ``netns_prefix``) on the host."""
+    return [n for n in netns.listnetns() if n.startswith(prefix)]

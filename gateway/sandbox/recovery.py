@@ -45,14 +45,14 @@ async def reconcile(service: SandboxService) -> None:
         if pid:
             owned.add(pid)
     await _kill_orphan_vmms(service.sandboxes_dir, owned, _jail_base(service))
-    await _remove_unused_build_namespaces()
+    await _remove_unused_build_namespaces(service.backend.config.network.netns_prefix)
 
 
 async def _recover(service: SandboxService, rec: SandboxRecord) -> int | None:
     """Returns the pid of a VMM that was kept (adopted)."""
     record = VMMRecord(**rec.vmm) if rec.vmm else None
     alive = record is not None and _is_our_vmm(record, rec.root)
-    if rec.state is State.DESTROYED and not alive and not _leftovers(rec):
+    if rec.state is State.DESTROYED and not alive and not _leftovers(service, rec):
         return None
     ctl = service.controller(rec)
     found = c.Recovered(vmm_alive=alive, snapshot=_snapshot(service, ctl, rec))
@@ -132,16 +132,16 @@ def _snapshot(service: SandboxService, ctl: SandboxController,
     return c.Snapshot.USABLE
 
 
-def _leftovers(rec: SandboxRecord) -> bool:
-    return Path(rec.root).exists() or \
-        f"{network.NETNS_PREFIX}{rec.id}" in network.list_namespaces()
+def _leftovers(service: SandboxService, rec: SandboxRecord) -> bool:
+    prefix = service.backend.config.network.netns_prefix
+    return Path(rec.root).exists() or f"{prefix}{rec.id}" in network.list_namespaces(prefix)
 
 
 async def network_ready(service: SandboxService, rec: SandboxRecord) -> None:
     """Recreate a sandbox's namespace if it is gone (e.g. after a host reboot); else reload
     its firewall, so an upgrade or a config change never leaves a guest under an old one."""
     slot = service.plan(rec).slot
-    if slot.netns not in network.list_namespaces():
+    if slot.netns not in network.list_namespaces(slot.netns):
         tap_owner = Machine(service.plan(rec), service.backend).tap_owner
         await network.create(slot, service.backend.config.network,
                              policy=service.plan(rec).egress, tap_owner=tap_owner)
@@ -203,9 +203,9 @@ async def _kill_orphan_vmms(sandboxes_dir: Path, owned: set[int],
             await kill_pid(int(entry.name), timeout=2.0)
 
 
-async def _remove_unused_build_namespaces() -> None:
-    for name in network.list_namespaces():
-        if name.startswith(network.NETNS_PREFIX + "golden-") and not _namespace_in_use(name):
+async def _remove_unused_build_namespaces(prefix: str) -> None:
+    for name in network.list_namespaces(prefix + "golden-"):
+        if not _namespace_in_use(name):
             log.warning("removing namespace %s left by an interrupted golden build", name)
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(network.netns.remove, name)

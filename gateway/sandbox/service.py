@@ -444,7 +444,7 @@ class SandboxService:
         self.registry.update(rec.id, egress=egress)
         rec = self.get(tenant, sandbox_id)
         slot = self.plan(rec).slot
-        if slot.netns in network.list_namespaces():
+        if slot.netns in network.list_namespaces(slot.netns):
             await network.reload(slot, self.backend.config.network, self.plan(rec).egress)
         return rec
 

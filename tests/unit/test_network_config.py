@@ -35,3 +35,11 @@ def test_slots_holding_a_metadata_address_are_never_handed_out():
     assert [slot_for(i, "x", cfg).host_addr for i in reserved] == [
         "169.254.169.121", "169.254.169.253", "169.254.170.1"]  # .123 NTP, .254 IMDS, .170.2 ECS
     assert not any(slot_reserved(i, NetworkConfig(pool="169.254.64.0/18")) for i in range(4096))
+
+
+def test_the_namespace_prefix_names_each_slot_and_is_checked():
+    slot = slot_for(3, "abc", NetworkConfig(netns_prefix="hosta-"))
+    assert slot.netns == "hosta-abc"
+    for bad in ("", "Host-", "a", "a/b-", "x" * 30 + "-"):
+        with pytest.raises(ValueError, match="netns_prefix"):
+            NetworkConfig(netns_prefix=bad)
