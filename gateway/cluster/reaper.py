@@ -5,7 +5,10 @@ A host is dead when its record (on its lease) is gone; it fenced itself before t
 still naming it:
 
 - SUSPENDED with a shipped snapshot: **move** it (compare-and-set, gen + 1) to a live
-  host chosen by placement; that host fetches the snapshot and registers the sandbox as
+  host that holds its base (the golden its disk and memory stand on: the record's
+  ``base``, the hosts' published ``bases``), chosen among those by placement for its
+  shape (the record's, named with the snapshot); that host adopts it
+  (gateway.cluster.adopter): fetches the snapshot and registers the sandbox as
   SUSPENDED, and the next request wakes it there as any local suspended sandbox.
 - SUSPENDED never shipped (the upload had not finished): **lost**, its files are on
   the dead host's disk only.
@@ -14,7 +17,8 @@ still naming it:
   suspend) if there is one, else that it is lost.
 - FAILED or DESTROYED: nothing to do.
 
-No live host can take a suspended one: **wait** (the next pass tries again).
+No live host can take a suspended one (none holds its base, or none has room): **wait**
+(the next pass tries again).
 
 ``decide`` is the decision (no I/O); ``reap`` is one pass against etcd.
 """
@@ -66,8 +70,23 @@ class Wait:
 Action = Move | Fail | Wait
 
 
+DEFAULT_REQUEST = Request(memory_mib=256, vcpus=1)  # a record without its shape (older)
+
+
+def request_of(record: SandboxRecord) -> Request:
+    """What placing ``record`` takes: its shape as the shipper named it."""
+    return Request(record.memory_mib or DEFAULT_REQUEST.memory_mib,
+                   record.vcpus or DEFAULT_REQUEST.vcpus)
+
+
+def holders(hosts: Iterable[HostRecord], base: str) -> list[HostRecord]:
+    """The hosts that can adopt a snapshot over ``base`` ("" = unknown, an older record:
+    any host; its fetch then checks the base)."""
+    return [h for h in hosts if not base or base in h.bases]
+
+
 def decide(dead: str, records: Iterable[SandboxRecord], live: Iterable[HostRecord], *,
-           request_for: Callable[[SandboxRecord], Request], k: int = 2,
+           request_for: Callable[[SandboxRecord], Request] = request_of, k: int = 2,
            rng: random.Random | None = None) -> list[Action]:
     """The actions for every record still naming the dead host ``dead``."""
     hosts = [h for h in live if h.name != dead]
@@ -76,8 +95,13 @@ def decide(dead: str, records: Iterable[SandboxRecord], live: Iterable[HostRecor
         if record.host != dead or record.state in (State.FAILED, State.DESTROYED):
             continue
         if record.state is State.SUSPENDED and record.snapshot:
+            able = holders(hosts, record.base)
+            if not able:
+                actions.append(Wait(record.id, f"no live host holds its base "
+                                               f"{record.base[:16]}"))
+                continue
             try:
-                to = choose(hosts, request_for(record), k=k, rng=rng)
+                to = choose(able, request_for(record), k=k, rng=rng)
             except NoCapacity as exc:
                 actions.append(Wait(record.id, str(exc)))
                 continue
@@ -103,7 +127,8 @@ def _taken(host: HostRecord, request: Request) -> HostRecord:
 
 
 async def reap(ownership: Ownership, dead: str, live: list[HostRecord], *,
-               guard: dict[str, Any], request_for: Callable[[SandboxRecord], Request],
+               guard: dict[str, Any],
+               request_for: Callable[[SandboxRecord], Request] = request_of,
                k: int = 2) -> list[Action]:
     """One pass for the dead host ``dead``: read every record, decide, apply each action
     as a compare-and-set guarded by the reaper's leadership (``LeaderKey.guard()``), so a
@@ -121,10 +146,12 @@ async def reap(ownership: Ownership, dead: str, live: list[HostRecord], *,
             if isinstance(action, Move):
                 await ownership.move(current, action.to_host, State.SUSPENDED, (guard,))
             elif isinstance(action, Fail):
-                await ownership.move(current, dead, State.FAILED, (guard,))
+                await ownership.move(current, dead, State.FAILED, (guard,),
+                                     reason=action.reason)
         except OwnershipConflict as exc:
             log.info("reaper: %s changed since read (%s); next pass", action.sandbox_id, exc)
             continue
-        log.warning("reaper: %s: %s", action.sandbox_id, action)
+        if not isinstance(action, Wait):
+            log.warning("reaper: %s: %s", action.sandbox_id, action)
         done.append(action)
     return done

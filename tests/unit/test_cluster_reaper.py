@@ -82,7 +82,7 @@ class FakeOwnership:
     async def list(self):
         return 99, dict(self.records)
 
-    async def move(self, current, to_host, state, guards=()):
+    async def move(self, current, to_host, state, guards=(), **changes):
         if current.record.id in self.conflict:
             raise OwnershipConflict("changed since read", None)
         self.moves.append((current.record.id, to_host, state, guards))
@@ -106,3 +106,45 @@ async def test_reap_applies_moves_and_failures_with_the_leader_guard():
     assert all(m[3] == (guard,) for m in fake.moves)
     assert fake.records["s1"].record.gen == 5
     assert [a.sandbox_id for a in done] == ["s1", "s2"]
+
+
+BASE_X, BASE_Y = "1" * 64, "2" * 64
+
+
+def test_only_a_host_holding_its_base_is_chosen_and_its_shape_is_placed():
+    # b is emptier but lacks the base: c (which holds it) is chosen. The record's own shape
+    # (1 GiB) is what placement checks: c has 1 GiB free, so a 2 GiB sandbox waits.
+    live = [HostRecord("b", "b:1", total_mib=8192, free_mib=8192, total_vcpus=4,
+                       free_vcpus=4, bases=(BASE_Y,)),
+            HostRecord("c", "c:1", total_mib=4096, free_mib=1024, total_vcpus=4,
+                       free_vcpus=4, bases=(BASE_X, BASE_Y))]
+    rec = SandboxRecord("s", "a", State.SUSPENDED, snapshot=SNAP, base=BASE_X, vcpus=1,
+                        memory_mib=1024)
+    assert decide("a", [rec], live, k=5) == [Move("s", "c", SNAP)]
+    big = SandboxRecord("s", "a", State.SUSPENDED, snapshot=SNAP, base=BASE_X,
+                        memory_mib=2048)
+    [wait] = decide("a", [big], live, k=5)
+    assert isinstance(wait, Wait) and "2048 MiB" in wait.reason
+
+
+def test_no_live_host_holding_its_base_waits():
+    live = [HostRecord("b", "b:1", total_mib=8192, free_mib=8192, total_vcpus=4,
+                       free_vcpus=4, bases=(BASE_Y,))]
+    rec = SandboxRecord("s", "a", State.SUSPENDED, snapshot=SNAP, base=BASE_X)
+    [wait] = decide("a", [rec], live)
+    assert isinstance(wait, Wait) and "base" in wait.reason
+    # A record from before bases (base unknown) goes to any host; its fetch checks.
+    old = SandboxRecord("s", "a", State.SUSPENDED, snapshot=SNAP)
+    assert decide("a", [old], live) == [Move("s", "b", SNAP)]
+
+
+def test_records_and_host_records_without_the_new_fields_still_parse():
+    old = b'{"id": "s", "host": "a", "state": "suspended", "gen": 2, "snapshot": ""}'
+    rec = SandboxRecord.decode(old)
+    assert (rec.base, rec.vcpus, rec.memory_mib, rec.reason) == ("", 0, 0, "")
+    host = HostRecord.decode(b'{"name": "a", "address": "a:1"}')
+    assert host.bases == ()
+    again = HostRecord.decode(HostRecord("a", "a:1", bases=[BASE_Y, BASE_X]).encode())
+    assert again.bases == (BASE_X, BASE_Y)
+    with pytest.raises(ValueError):
+        HostRecord("a", "a:1", bases=("not-a-digest",))
