@@ -25,17 +25,24 @@ No live host can take a suspended one (none holds its base, or none has room): *
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import random
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gateway.cluster.errors import NoCapacity, OwnershipConflict
+from gateway.cluster.errors import ClusterError, NoCapacity, OwnershipConflict
 from gateway.cluster.ownership import Ownership
 from gateway.cluster.placement import Request, choose
 from gateway.cluster.records import HostRecord, SandboxRecord
 from gateway.sandbox.states import State
+
+if TYPE_CHECKING:
+    from gateway.cluster.election import Election
+    from gateway.cluster.routes import RouteTable
 
 log = logging.getLogger(__name__)
 AWAKE = frozenset({State.CREATING, State.RUNNING, State.PAUSED, State.SUSPENDING,
@@ -155,3 +162,74 @@ async def reap(ownership: Ownership, dead: str, live: list[HostRecord], *,
             log.warning("reaper: %s: %s", action.sandbox_id, action)
         done.append(action)
     return done
+
+
+def due(named: Iterable[str], live: Collection[str], absent_since: dict[str, float],
+        now: float, grace: float) -> list[str]:
+    """(No I/O.) The hosts to reap now: named by a record that still needs the reaper,
+    without a host record, for at least ``grace`` seconds (as this reaper has seen it:
+    ``absent_since`` is updated in place; a host that came back is dropped from it)."""
+    dead = set(named) - set(live)
+    for host in list(absent_since):
+        if host not in dead:
+            del absent_since[host]
+    for host in dead:
+        absent_since.setdefault(host, now)
+    return sorted(h for h in dead if now - absent_since[h] >= grace)
+
+
+class ReaperLoop:
+    """The daemon's reaper: campaigns with this host's lease; while it leads, reaps every
+    host dead for ``grace`` seconds, on every host-record delete (``poke``) and every
+    ``every`` seconds. Another host's reaper takes over within a TTL if this one dies;
+    a deposed one's writes are refused (``LeaderKey.guard()``)."""
+
+    def __init__(self, election: Election, ownership: Ownership, table: RouteTable,
+                 host: str, lease: Callable[[], int], *, grace: float, every: float = 3.0,
+                 k: int = 2) -> None:
+        self.election, self.ownership, self.table = election, ownership, table
+        self.host, self.lease, self.grace, self.every, self.k = host, lease, grace, every, k
+        self.leading = False
+        self.absent_since: dict[str, float] = {}
+        self.done: list[Action] = []
+        self._poked = asyncio.Event()
+
+    def poke(self) -> None:
+        self._poked.set()
+
+    async def run(self) -> None:
+        while True:
+            lease = self.lease()
+            try:
+                if not lease:
+                    raise ClusterError("no lease yet")
+                leader = await self.election.campaign(lease, self.host)
+            except ClusterError as exc:
+                log.info("reaper: campaign of %s: %s; again in 1 s", self.host, exc)
+                await asyncio.sleep(1.0)
+                continue
+            log.warning("reaper: %s leads", self.host)
+            self.leading, self.absent_since = True, {}
+            try:
+                while self.lease() == leader.lease:
+                    try:
+                        await self.one_pass(leader.guard())
+                    except ClusterError as exc:
+                        log.warning("reaper: pass failed: %s", exc)
+                    self._poked.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._poked.wait(), self.every)
+            finally:
+                self.leading = False
+
+    async def one_pass(self, guard: dict[str, Any]) -> list[Action]:
+        table = self.table
+        named = {r.host for r in table.sandboxes.values()
+                 if r.state not in (State.FAILED, State.DESTROYED)}
+        out: list[Action] = []
+        for dead in due(named, table.hosts, self.absent_since, time.monotonic(), self.grace):
+            actions = await reap(self.ownership, dead, list(table.hosts.values()), guard=guard,
+                                 k=self.k)
+            self.done.extend(a for a in actions if not isinstance(a, Wait))
+            out.extend(actions)
+        return out

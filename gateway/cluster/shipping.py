@@ -20,6 +20,7 @@ import hashlib
 import json
 import re
 import shutil
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -160,18 +161,21 @@ async def upload(store: Store, plan: UploadPlan, directory: Path, *, concurrency
     return plan.location
 
 
-async def fetch(store: Store, location: str, dest: Path, *, base: str) -> Index:
+async def fetch(store: Store, location: str, dest: Path, *,
+                base: str | Collection[str]) -> Index:
     """Download a shipped snapshot into ``dest`` (which must not exist), every byte
     checked; on any failure nothing is left at ``dest``. ``base`` is this host's identity
-    of the disk's base image: a snapshot made over another base is refused."""
+    of the disk's base image (or the set of those it holds): a snapshot made over another
+    base is refused."""
     prefix, digest = parse_location(location)
     raw = await store.get_bytes(f"{prefix}/{INDEX}", MAX_INDEX_BYTES)
     if hashlib.sha256(raw).hexdigest() != digest:
         raise SnapshotRefused(f"{location}: the index does not match its digest")
     index = Index.decode(raw)
-    if index.base != base:
+    if index.base != base if isinstance(base, str) else index.base not in base:
+        held = base if isinstance(base, str) else ", ".join(sorted(b[:16] for b in base))
         raise SnapshotRefused(f"{index.sandbox_id}: its disk is an overlay on base "
-                              f"{index.base!r}, this host has {base!r}")
+                              f"{index.base!r}, this host has {held!r}")
     if dest.exists():
         raise FileExistsError(dest)
     partial = dest.with_name(dest.name + ".fetching")
