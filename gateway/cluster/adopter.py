@@ -78,6 +78,7 @@ class Adopter:
         self.retries, self.backoff = retries, backoff
         self._gate = asyncio.Semaphore(max_adoptions)
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._adopting: set[str] = set()
         self.busy: set[str] = set()  # sandboxes another part moves (a drain): left alone
         self.adopted: list[str] = []
         self.evicted: list[str] = []
@@ -105,13 +106,20 @@ class Adopter:
         work = self._adopt_or_fail(record) if what is Do.ADOPT else self._evict(record)
         task = asyncio.create_task(work, name=f"{what.value}:{record.id}")
         self._tasks[record.id] = task
+        if what is Do.ADOPT:
+            self._adopting.add(record.id)
         task.add_done_callback(lambda t, s=record.id: self._done(s, t))
 
     def _done(self, sandbox_id: str, task: asyncio.Task[None]) -> None:
         if self._tasks.get(sandbox_id) is task:
             del self._tasks[sandbox_id]
+            self._adopting.discard(sandbox_id)
         if not task.cancelled() and task.exception() is not None:
             log.error("cluster: %s: %s", task.get_name(), task.exception())
+
+    def adopting(self, sandbox_id: str) -> bool:
+        """Is an adoption of ``sandbox_id`` under way (routing answers 503, not 404)?"""
+        return sandbox_id in self._adopting
 
     @property
     def working(self) -> int:

@@ -130,6 +130,10 @@ class ClusterNode:
         # Closed with the node, before the client (the key ring, the fleet quota).
         self.parts: list[Callable[[], Awaitable[None]]] = []
 
+    def arriving(self, sandbox_id: str) -> bool:
+        """Is ``sandbox_id`` being adopted here right now (moved here, not yet registered)?"""
+        return self.adopter is not None and self.adopter.adopting(sandbox_id)
+
     def place_create(self) -> ServeHere | Forward:
         from gateway.cluster.routing import place
 

@@ -148,3 +148,34 @@ def test_records_and_host_records_without_the_new_fields_still_parse():
     assert again.bases == (BASE_X, BASE_Y)
     with pytest.raises(ValueError):
         HostRecord("a", "a:1", bases=("not-a-digest",))
+
+
+def test_a_host_is_due_only_after_it_has_been_gone_for_the_grace():
+    from gateway.cluster.reaper import due
+
+    since: dict[str, float] = {}
+    assert due({"a", "b"}, {"b"}, since, now=100.0, grace=60.0) == []
+    assert since == {"a": 100.0}
+    assert due({"a", "b"}, {"b"}, since, now=159.0, grace=60.0) == []
+    assert due({"a", "b"}, {"b"}, since, now=160.0, grace=60.0) == ["a"]
+    # It came back (a daemon restart within the grace): forgotten, its clock restarts.
+    assert due({"a", "b"}, {"a", "b"}, since, now=161.0, grace=60.0) == [] and since == {}
+    assert due({"a"}, set(), since, now=170.0, grace=0.0) == ["a"]
+
+
+async def test_the_loop_reaps_only_due_hosts_with_work_left():
+    from gateway.cluster.reaper import ReaperLoop
+    from gateway.cluster.routes import RouteTable
+    from gateway.cluster.keys import Keys
+
+    table = RouteTable(Keys("/x"))
+    table.hosts = {h.name: h for h in LIVE}
+    table.sandboxes = {
+        "s1": SandboxRecord("s1", "a", State.SUSPENDED, snapshot=SNAP),
+        "s2": SandboxRecord("s2", "d", State.FAILED),  # done already: d is not reaped
+        "s3": SandboxRecord("s3", "b", State.RUNNING)}
+    fake = FakeOwnership(list(table.sandboxes.values()))
+    loop = ReaperLoop(None, fake, table, "b", lambda: 7, grace=0.0)
+    done = await loop.one_pass({"guard": 1})
+    assert done == [Move("s1", "b", SNAP)] and [m[0] for m in fake.moves] == ["s1"]
+    assert set(loop.absent_since) == {"a"}
