@@ -77,19 +77,23 @@ class Shipper:
             del self._tasks[sandbox_id]
         if not task.cancelled() and task.exception() is not None:
             self.failures += 1
+            exc = task.exception()
+            while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+                exc = exc.exceptions[0]  # the upload's TaskGroup: say what failed
             log.warning("cluster: shipping %s failed, it stays local only: %s",
-                        sandbox_id, task.exception())
+                        sandbox_id, exc)
 
     async def _ship(self, sandbox_id: str) -> None:
         async with self._gate:
             local = await self.describe_local(sandbox_id)
             if local is None:
                 return
-            files = await describe(local.directory, local.names)
+            held: dict[str, bytes] = {}
+            files = await describe(local.directory, local.names, held)
             plan = plan_upload(self.key_prefix,
                                Index(sandbox_id, local.base, files, local.meta))
             location = await upload(self.store, plan, local.directory,
-                                    concurrency=self.concurrency)
+                                    concurrency=self.concurrency, held=held)
         await self._record(sandbox_id, location, recorded(local))
 
     async def _record(self, sandbox_id: str, location: str,

@@ -64,6 +64,21 @@ def fleet2(tmp_path: Path) -> Iterator[Fleet]:
         assert not left, f"left behind: {left}"
 
 
+async def _store_op(fleet: Fleet, op: str, key: str, data: bytes = b"") -> bytes:
+    from gateway.cluster.objstore import ObjectStore
+    from tests.cluster.fleet_env import BUCKET
+    from tests.cluster.weed_env import CREDS
+
+    store = ObjectStore(fleet.objstore_endpoint, BUCKET, CREDS, timeout=10)
+    try:
+        if op == "put":
+            await store.put_bytes(key, data)
+            return b""
+        return await store.get_bytes(key, 1 << 20)
+    finally:
+        await store.aclose()
+
+
 def _ok(r: Any) -> Any:
     assert r.status_code in (200, 201), r.text
     return r.json()
@@ -87,6 +102,12 @@ def test_a_dead_hosts_suspended_sandbox_wakes_on_another_host(fleet2: Fleet) -> 
     assert _ok(on_a.post(f"/v1/sandboxes/{sid}/suspend"))["state"] == "suspended"
     root_a = a.data_dir / "sandboxes" / sid
     assert (root_a / "snapshot" / "manifest.json").is_file()
+    # A second sandbox on A (the hop header keeps the create there), suspended too: its
+    # shipped device state will be corrupted in the store before A dies.
+    bad = _ok(on_a.post("/v1/sandboxes", json={"template": "python"},
+                        headers={"X-AgentBox-Forwarded": "test"}))["id"]
+    assert fleet.record(bad) is None or fleet.owner(bad) is a
+    assert _ok(on_a.post(f"/v1/sandboxes/{bad}/suspend"))["state"] == "suspended"
 
     # Shipped: the record names the snapshot, its base and shape (the reaper reads only it).
     shipped: list[Any] = []
@@ -96,6 +117,11 @@ def test_a_dead_hosts_suspended_sandbox_wakes_on_another_host(fleet2: Fleet) -> 
     print(f"\n[adopt] suspended on {a.name}, shipped and named in {took:.1f} s")
     assert rec.host == a.name and rec.state.value == "suspended" and len(rec.base) == 64
     assert rec.memory_mib > 0 and rec.vcpus > 0
+    bad_rec: list[Any] = []
+    fleet.wait_for(lambda: bool(bad_rec.append(fleet.record(bad)) or bad_rec[-1].snapshot),
+                   120, "the second snapshot shipped")
+    prefix = bad_rec[-1].snapshot.partition("#")[0]
+    fleet.loop.run(_store_op(fleet, "put", f"{prefix}/snapshot/vmstate", b"not the state"))
 
     # A dies: its daemon and VMMs killed; its lease expires; the reaper moves the record.
     killed_at = time.monotonic()
@@ -131,6 +157,19 @@ def test_a_dead_hosts_suspended_sandbox_wakes_on_another_host(fleet2: Fleet) -> 
     code = _ok(on_b.post(f"/v1/sandboxes/{sid}/run_code", json={"code": "kept"}))
     assert code["results"][0]["text/plain"] == repr(secret), code
     assert fleet.record(sid).host == b.name
+
+    # The corrupted one: B's fetch refuses it; its record is FAILED on B with the reason,
+    # and the snapshot stays in the store (its index is still there).
+    failed: list[Any] = []
+    fleet.wait_for(lambda: bool(failed.append(fleet.record(bad))
+                                or failed[-1].state.value == "failed"), 60,
+                   "the corrupted snapshot's adoption fails")
+    assert failed[-1].host == b.name and "SHA256" in failed[-1].reason, failed[-1]
+    assert failed[-1].snapshot == bad_rec[-1].snapshot
+    assert fleet.loop.run(_store_op(fleet, "get", f"{prefix}/index.json"))
+    assert on_b.get(f"/v1/sandboxes/{bad}").status_code == 404
+    assert not list((b.data_dir / "sandboxes").glob(f"*{bad}*"))
+    print(f"[adopt] {bad}: {failed[-1].reason}")
     print(f"[adopt] {a.name} killed -> record moved to {b.name} {moved_after:.1f} s "
           f"(lease TTL {fleet.ttl} s + reap_after {REAP_AFTER} s) -> adopted "
           f"{adopted_after:.1f} s; first wake on {b.name} {woke_ms:.0f} ms")
@@ -139,6 +178,8 @@ def test_a_dead_hosts_suspended_sandbox_wakes_on_another_host(fleet2: Fleet) -> 
     # never republished, and B keeps serving it.
     fleet.restart(a)
     fleet.wait_for(lambda: not root_a.exists(), 60, f"{a.name} drops its stale copy")
+    fleet.wait_for(lambda: not (a.data_dir / "sandboxes" / bad).exists(), 60,
+                   f"{a.name} drops its copy of the failed one")
     r = fleet.client(a).post(f"/v1/sandboxes/{sid}/execute", json={"command": "echo via-a"})
     assert r.status_code == 200 and r.json()["stdout"] == "via-a\n", r.text
     assert fleet.record(sid).host == b.name

@@ -62,7 +62,7 @@ async def weed_s3(tmp: Path, bucket: str = "snapshots", ip: str = "127.0.0.1",
          f"-volume.port.grpc={p[3]}", "-filer", f"-filer.port={p[4]}",
          f"-filer.port.grpc={p[5]}", "-s3", f"-s3.port={p[6]}", f"-s3.port.grpc={p[7]}",
          "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={conf}",
-         "-master.volumeSizeLimitMB=64", "-volume.max=8"],
+         "-master.volumeSizeLimitMB=64", "-volume.max=64"],  # 4 GiB: a few 1 GiB memories,
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     endpoint = f"http://{ip}:{p[6]}"
     try:

@@ -36,7 +36,7 @@ def moved(sandbox_id, to_state):
 def make(tmp_path, state=State.SUSPENDED, store=None):
     d = tmp_path / "snap"
     d.mkdir(exist_ok=True)
-    (d / "memory").write_bytes(b"m" * 100)
+    (d / "memory").write_bytes(b"m" * (300 << 10))  # over HELD_BYTES: streamed
     own = FakeOwnership(SandboxRecord("sb", "h1", state))
 
     async def local(sandbox_id):
