@@ -150,7 +150,8 @@ class ClusterNode:
         load = self.load()
         return HostRecord(self.config.host, self.config.advertise, load.total_mib,
                           load.free_mib, load.total_vcpus, load.free_vcpus, load.awake,
-                          tuple(sorted(self.bases()))[:MAX_BASES])
+                          # only a host that can adopt (has the object store) offers bases
+                          tuple(sorted(self.bases()))[:MAX_BASES] if self.adopter else ())
 
     async def start(self) -> None:
         """Join, list the fleet, start publishing. Raises ClusterError (cleaned up)."""
