@@ -211,8 +211,9 @@ def record_for(sandbox_id: str, meta: dict[str, Any], golden: Golden, slot: int,
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
         return value if ok else default
 
-    metadata = meta.get("metadata") if isinstance(meta.get("metadata"), dict) else {}
-    egress = meta.get("egress") if isinstance(meta.get("egress"), dict) else None
+    shipped_metadata, shipped_egress = meta.get("metadata"), meta.get("egress")
+    metadata: dict[str, Any] = shipped_metadata if isinstance(shipped_metadata, dict) else {}
+    egress = shipped_egress if isinstance(shipped_egress, dict) else None
     return SandboxRecord(
         id=sandbox_id, tenant=tenant, template=template, state=State.SUSPENDED, slot=slot,
         root=str(root), golden=str(golden.dir), idle_timeout=float(number("idle_timeout", 0)),

@@ -21,7 +21,6 @@ from gateway.sandbox.states import State
 from gateway.store.registry import Registry, SandboxRecord
 from tests.unit.test_cluster_shipping import MemStore
 from vmctl import store
-from vmctl.golden import load_golden_dir
 from vmctl.spec import Accel, SnapshotFiles
 
 needs_qemu_img = pytest.mark.skipif(shutil.which("qemu-img") is None, reason="no qemu-img")
