@@ -51,6 +51,10 @@ class ClusterConfig:
     objstore_secret_key: str = field(default="", repr=False)
     objstore_region: str = "us-east-1"
     upload_concurrency: int = 2  # files of one snapshot in flight at once
+    # Seconds a host must have been without a record before the reaper takes its
+    # sandboxes: a daemon restarting (its lease revoked on a clean stop) must come back
+    # within it, or its running sandboxes are marked FAILED and its suspended ones moved.
+    reap_after: float = 60.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -67,6 +71,9 @@ class ClusterConfig:
             raise ValueError(f"timeout must be > 0 and <= 60 seconds, not {self.timeout!r}")
         if not isinstance(self.placement_choices, int) or self.placement_choices < 1:
             raise ValueError("placement_choices must be an integer >= 1")
+        if not isinstance(self.reap_after, (int, float)) or isinstance(self.reap_after, bool) \
+                or not 0 <= self.reap_after <= 86400:
+            raise ValueError(f"reap_after must be 0 to 86400 seconds, not {self.reap_after!r}")
         try:
             Keys(self.key_prefix)
         except ValueError as exc:

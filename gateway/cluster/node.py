@@ -18,7 +18,7 @@ import asyncio
 import logging
 import os
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,14 +27,17 @@ from gateway.cluster.config import ClusterConfig
 from gateway.cluster.errors import ClusterError, Fenced
 from gateway.cluster.etcd import EtcdClient
 from gateway.cluster.membership import HostNameTaken, Membership, MemberState
-from gateway.cluster.records import HostRecord
+from gateway.cluster import wire
+from gateway.cluster.records import MAX_BASES, HostRecord, SandboxRecord
 from gateway.cluster.routes import RouteCache
 from gateway.cluster import tasks
 from gateway.sandbox.states import State
 from gateway.tenancy.quotas import usage_of
 
 if TYPE_CHECKING:
+    from gateway.cluster.adopter import Adopter
     from gateway.cluster.objstore import ObjectStore
+    from gateway.cluster.reaper import ReaperLoop
     from gateway.cluster.ownership import Ownership
     from gateway.cluster.routing import Forward, ServeHere
     from gateway.cluster.shipper import Shipper
@@ -72,7 +75,9 @@ def load_of(meminfo: str, cpus: int, sandboxes: list[tuple[State, int]]) -> Load
 
 class ClusterNode:
     def __init__(self, config: ClusterConfig, load: Callable[[], Load], *,
-                 publish_every: float = 5.0, rng: random.Random | None = None) -> None:
+                 publish_every: float = 5.0, rng: random.Random | None = None,
+                 bases: Callable[[], Collection[str]] = tuple,
+                 reap_every: float = 3.0) -> None:
         if not config.enabled:
             raise ValueError("ClusterNode needs [cluster] enabled = true")
         self.config, self.load, self.publish_every = config, load, publish_every
@@ -92,10 +97,30 @@ class ClusterNode:
                                    self._lease, timeout=config.timeout)
         self.local: Callable[[], list[tuple[str, State]]] = list
         self.shipper: Shipper | None = None
+        self.adopter: Adopter | None = None
         self._objstore: ObjectStore | None = None
+        # The base images this host holds (gateway.sandbox.shipped.local_bases), published
+        # in its record so the reaper moves a snapshot only to a host that can restore it.
+        self.bases = bases
+        # May a record naming this host that it has no row for be adopted (the app wires
+        # gateway.sandbox.adoption.adoptable); such records are not deleted at a sync.
+        self.adoptable: Callable[[str], bool] = lambda sandbox_id: False
         if config.objstore_endpoint:
             self.shipper, self._objstore = _shipper(config, Ownership(self.client, self.keys),
                                                     self._lease)
+            from gateway.cluster.adopter import Adopter
+
+            self.adopter = Adopter(config.host, self._objstore,
+                                   Ownership(self.client, self.keys), self._lease)
+        from gateway.cluster.election import Election
+        from gateway.cluster.reaper import ReaperLoop
+
+        self.reaper: ReaperLoop = ReaperLoop(
+            Election(self.client, self.keys, "reaper"), Ownership(self.client, self.keys),
+            self.routes.table, config.host, self._lease, grace=config.reap_after,
+            every=reap_every, k=config.placement_choices)
+        self.routes.listeners.append(self._routes_changed)
+        self._reaping: asyncio.Task[None] | None = None
         self._publisher: asyncio.Task[None] | None = None
         self._rejoiner: asyncio.Task[None] | None = None
         # Placement of creates (routing.place): seeded in tests. What a create is assumed
@@ -104,6 +129,10 @@ class ClusterNode:
         self.create_request = Request(memory_mib=256, vcpus=1)
         # Closed with the node, before the client (the key ring, the fleet quota).
         self.parts: list[Callable[[], Awaitable[None]]] = []
+
+    def arriving(self, sandbox_id: str) -> bool:
+        """Is ``sandbox_id`` being adopted here right now (moved here, not yet registered)?"""
+        return self.adopter is not None and self.adopter.adopting(sandbox_id)
 
     def place_create(self) -> ServeHere | Forward:
         from gateway.cluster.routing import place
@@ -120,7 +149,9 @@ class ClusterNode:
     def record(self) -> HostRecord:
         load = self.load()
         return HostRecord(self.config.host, self.config.advertise, load.total_mib,
-                          load.free_mib, load.total_vcpus, load.free_vcpus, load.awake)
+                          load.free_mib, load.total_vcpus, load.free_vcpus, load.awake,
+                          # only a host that can adopt (has the object store) offers bases
+                          tuple(sorted(self.bases()))[:MAX_BASES] if self.adopter else ())
 
     async def start(self) -> None:
         """Join, list the fleet, start publishing. Raises ClusterError (cleaned up)."""
@@ -133,6 +164,8 @@ class ClusterNode:
         self._publisher = asyncio.create_task(self._publish_loop(),
                                               name=f"cluster-publish:{self.config.host}")
         self.publisher.start()
+        self._reaping = asyncio.create_task(self.reaper.run(),
+                                            name=f"cluster-reaper:{self.config.host}")
         log.info("cluster: %s joined via %s (lease ttl %d s)", self.config.host,
                  ", ".join(self.config.endpoints), self.config.lease_ttl)
 
@@ -162,8 +195,37 @@ class ClusterNode:
         have = {sandbox_id for sandbox_id, _ in local}
         gone = [(sandbox_id, State.DESTROYED) for sandbox_id, record
                 in list(self.routes.table.sandboxes.items())
-                if record.host == self.config.host and sandbox_id not in have]
+                if record.host == self.config.host and sandbox_id not in have
+                and not self._kept(record)]
         self.publisher.sync([*local, *gone])
+        if self.adopter is not None:
+            self.adopter.scan(self.routes.table.sandboxes.values())
+
+    def _kept(self, record: SandboxRecord) -> bool:
+        """A record naming this host that it has no sandbox for, kept: one to adopt (moved
+        here), or FAILED with a reason (the reaper's or an adoption's words)."""
+        if record.state is State.FAILED and record.reason:
+            return True
+        return record.state is State.SUSPENDED and bool(record.snapshot) \
+            and self.adopter is not None and self.adoptable(record.id)
+
+    def _routes_changed(self, events: tuple[wire.Event, ...] | None) -> None:
+        """The route cache moved: records moved here are adopted, local copies of records
+        moved away are evicted (the adopter), and a host record's delete wakes the reaper."""
+        table = self.routes.table
+        if events is None:
+            if self.adopter is not None:
+                self.adopter.scan(table.sandboxes.values())
+            self.reaper.poke()
+            return
+        for event in events:
+            key = event.kv.key.decode(errors="replace")
+            if key.startswith(self.keys.hosts) and event.type is wire.EventType.DELETE:
+                self.reaper.poke()
+            elif key.startswith(self.keys.sandboxes) and self.adopter is not None:
+                record = table.sandboxes.get(key[len(self.keys.sandboxes):])
+                if record is not None:
+                    self.adopter.consider(record)
 
     def _on_fenced(self, reason: str) -> None:
         self.fenced = reason
@@ -218,9 +280,11 @@ class ClusterNode:
     async def aclose(self) -> None:
         """Idempotent: stop publishing, stop the route cache, leave (revoking the lease, so
         the record goes at once), close the client."""
-        for task in (self._rejoiner, self._publisher):
+        for task in (self._rejoiner, self._publisher, self._reaping):
             await tasks.stop(task)
-        self._rejoiner = self._publisher = None
+        self._rejoiner = self._publisher = self._reaping = None
+        if self.adopter is not None:
+            await self.adopter.aclose()
         for close in reversed(self.parts):
             await close()
         self.parts.clear()
@@ -244,12 +308,13 @@ def daemon_load(list_sandboxes: Callable[[], list[tuple[State, int]]],
 
 
 async def start_if_enabled(config: ClusterConfig,
-                           list_sandboxes: Callable[[], list[tuple[State, int]]]
+                           list_sandboxes: Callable[[], list[tuple[State, int]]],
+                           bases: Callable[[], Collection[str]] = tuple
                            ) -> ClusterNode | None:
     """The app's one call: None when ``[cluster]`` is off (nothing is created)."""
     if not config.enabled:
         return None
-    node = ClusterNode(config, daemon_load(list_sandboxes))
+    node = ClusterNode(config, daemon_load(list_sandboxes), bases=bases)
     await node.start()
     return node
 

@@ -83,11 +83,12 @@ def plan_update(keys: Keys, current: Versioned, new: SandboxRecord, host_lease: 
 
 
 def plan_move(keys: Keys, current: Versioned, to_host: str, state: State,
-              guards: tuple[dict[str, Any], ...] = ()) -> Plan:
+              guards: tuple[dict[str, Any], ...] = (), **changes: Any) -> Plan:
     """Hand the sandbox to ``to_host`` in the next generation (reaper, drain): guarded by
     the mod revision, not the old owner's lease (it may be dead), plus ``guards`` (the
-    mover's ``LeaderKey.guard()``, so a deposed reaper cannot move anything)."""
-    new = current.record.moved_to(to_host, state)
+    mover's ``LeaderKey.guard()``, so a deposed reaper cannot move anything). ``changes``:
+    other fields of the new record (a FAILED one's ``reason``)."""
+    new = dataclasses.replace(current.record.moved_to(to_host, state), **changes)
     key = keys.sandbox(new.id)
     return Plan(key, [wire.compare(key, wire.Target.MOD, current.mod_revision), *guards],
                 [wire.op_put(key, new.encode())], [wire.op_get(key)], new, current.record.gen,
@@ -180,8 +181,8 @@ class Ownership:
         return await self._send(plan, current.mod_revision)
 
     async def move(self, current: Versioned, to_host: str, state: State,
-                   guards: tuple[dict[str, Any], ...] = ()) -> Versioned:
-        plan = plan_move(self.keys, current, to_host, state, guards)
+                   guards: tuple[dict[str, Any], ...] = (), **changes: Any) -> Versioned:
+        plan = plan_move(self.keys, current, to_host, state, guards, **changes)
         return await self._send(plan, current.mod_revision)
 
     async def delete(self, current: Versioned, host_lease: int) -> None:

@@ -112,6 +112,8 @@ class Publisher:
                 changes: dict[str, object] = {"state": state}
                 if state in _SUSPENDING and current.record.state not in _SUSPENDING:
                     changes["snapshot"] = ""  # the shipped one is older than this suspend
+                if current.record.reason and state is not State.FAILED:
+                    changes["reason"] = ""  # why it failed once: no longer true
                 self._known[sandbox_id] = await self.ownership.update(
                     current, self.lease(), **changes)
             else:

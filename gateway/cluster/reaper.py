@@ -5,7 +5,10 @@ A host is dead when its record (on its lease) is gone; it fenced itself before t
 still naming it:
 
 - SUSPENDED with a shipped snapshot: **move** it (compare-and-set, gen + 1) to a live
-  host chosen by placement; that host fetches the snapshot and registers the sandbox as
+  host that holds its base (the golden its disk and memory stand on: the record's
+  ``base``, the hosts' published ``bases``), chosen among those by placement for its
+  shape (the record's, named with the snapshot); that host adopts it
+  (gateway.cluster.adopter): fetches the snapshot and registers the sandbox as
   SUSPENDED, and the next request wakes it there as any local suspended sandbox.
 - SUSPENDED never shipped (the upload had not finished): **lost**, its files are on
   the dead host's disk only.
@@ -14,24 +17,32 @@ still naming it:
   suspend) if there is one, else that it is lost.
 - FAILED or DESTROYED: nothing to do.
 
-No live host can take a suspended one: **wait** (the next pass tries again).
+No live host can take a suspended one (none holds its base, or none has room): **wait**
+(the next pass tries again).
 
 ``decide`` is the decision (no I/O); ``reap`` is one pass against etcd.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import random
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gateway.cluster.errors import NoCapacity, OwnershipConflict
+from gateway.cluster.errors import ClusterError, NoCapacity, OwnershipConflict
 from gateway.cluster.ownership import Ownership
 from gateway.cluster.placement import Request, choose
 from gateway.cluster.records import HostRecord, SandboxRecord
 from gateway.sandbox.states import State
+
+if TYPE_CHECKING:
+    from gateway.cluster.election import Election
+    from gateway.cluster.routes import RouteTable
 
 log = logging.getLogger(__name__)
 AWAKE = frozenset({State.CREATING, State.RUNNING, State.PAUSED, State.SUSPENDING,
@@ -66,8 +77,23 @@ class Wait:
 Action = Move | Fail | Wait
 
 
+DEFAULT_REQUEST = Request(memory_mib=256, vcpus=1)  # a record without its shape (older)
+
+
+def request_of(record: SandboxRecord) -> Request:
+    """What placing ``record`` takes: its shape as the shipper named it."""
+    return Request(record.memory_mib or DEFAULT_REQUEST.memory_mib,
+                   record.vcpus or DEFAULT_REQUEST.vcpus)
+
+
+def holders(hosts: Iterable[HostRecord], base: str) -> list[HostRecord]:
+    """The hosts that can adopt a snapshot over ``base`` ("" = unknown, an older record:
+    any host; its fetch then checks the base)."""
+    return [h for h in hosts if not base or base in h.bases]
+
+
 def decide(dead: str, records: Iterable[SandboxRecord], live: Iterable[HostRecord], *,
-           request_for: Callable[[SandboxRecord], Request], k: int = 2,
+           request_for: Callable[[SandboxRecord], Request] = request_of, k: int = 2,
            rng: random.Random | None = None) -> list[Action]:
     """The actions for every record still naming the dead host ``dead``."""
     hosts = [h for h in live if h.name != dead]
@@ -76,8 +102,13 @@ def decide(dead: str, records: Iterable[SandboxRecord], live: Iterable[HostRecor
         if record.host != dead or record.state in (State.FAILED, State.DESTROYED):
             continue
         if record.state is State.SUSPENDED and record.snapshot:
+            able = holders(hosts, record.base)
+            if not able:
+                actions.append(Wait(record.id, f"no live host holds its base "
+                                               f"{record.base[:16]}"))
+                continue
             try:
-                to = choose(hosts, request_for(record), k=k, rng=rng)
+                to = choose(able, request_for(record), k=k, rng=rng)
             except NoCapacity as exc:
                 actions.append(Wait(record.id, str(exc)))
                 continue
@@ -103,7 +134,8 @@ def _taken(host: HostRecord, request: Request) -> HostRecord:
 
 
 async def reap(ownership: Ownership, dead: str, live: list[HostRecord], *,
-               guard: dict[str, Any], request_for: Callable[[SandboxRecord], Request],
+               guard: dict[str, Any],
+               request_for: Callable[[SandboxRecord], Request] = request_of,
                k: int = 2) -> list[Action]:
     """One pass for the dead host ``dead``: read every record, decide, apply each action
     as a compare-and-set guarded by the reaper's leadership (``LeaderKey.guard()``), so a
@@ -121,10 +153,83 @@ async def reap(ownership: Ownership, dead: str, live: list[HostRecord], *,
             if isinstance(action, Move):
                 await ownership.move(current, action.to_host, State.SUSPENDED, (guard,))
             elif isinstance(action, Fail):
-                await ownership.move(current, dead, State.FAILED, (guard,))
+                await ownership.move(current, dead, State.FAILED, (guard,),
+                                     reason=action.reason)
         except OwnershipConflict as exc:
             log.info("reaper: %s changed since read (%s); next pass", action.sandbox_id, exc)
             continue
-        log.warning("reaper: %s: %s", action.sandbox_id, action)
+        if not isinstance(action, Wait):
+            log.warning("reaper: %s: %s", action.sandbox_id, action)
         done.append(action)
     return done
+
+
+def due(named: Iterable[str], live: Collection[str], absent_since: dict[str, float],
+        now: float, grace: float) -> list[str]:
+    """(No I/O.) The hosts to reap now: named by a record that still needs the reaper,
+    without a host record, for at least ``grace`` seconds (as this reaper has seen it:
+    ``absent_since`` is updated in place; a host that came back is dropped from it)."""
+    dead = set(named) - set(live)
+    for host in list(absent_since):
+        if host not in dead:
+            del absent_since[host]
+    for host in dead:
+        absent_since.setdefault(host, now)
+    return sorted(h for h in dead if now - absent_since[h] >= grace)
+
+
+class ReaperLoop:
+    """The daemon's reaper: campaigns with this host's lease; while it leads, reaps every
+    host dead for ``grace`` seconds, on every host-record delete (``poke``) and every
+    ``every`` seconds. Another host's reaper takes over within a TTL if this one dies;
+    a deposed one's writes are refused (``LeaderKey.guard()``)."""
+
+    def __init__(self, election: Election, ownership: Ownership, table: RouteTable,
+                 host: str, lease: Callable[[], int], *, grace: float, every: float = 3.0,
+                 k: int = 2) -> None:
+        self.election, self.ownership, self.table = election, ownership, table
+        self.host, self.lease, self.grace, self.every, self.k = host, lease, grace, every, k
+        self.leading = False
+        self.absent_since: dict[str, float] = {}
+        self.done: list[Action] = []
+        self._poked = asyncio.Event()
+
+    def poke(self) -> None:
+        self._poked.set()
+
+    async def run(self) -> None:
+        while True:
+            lease = self.lease()
+            try:
+                if not lease:
+                    raise ClusterError("no lease yet")
+                leader = await self.election.campaign(lease, self.host)
+            except ClusterError as exc:
+                log.info("reaper: campaign of %s: %s; again in 1 s", self.host, exc)
+                await asyncio.sleep(1.0)
+                continue
+            log.warning("reaper: %s leads", self.host)
+            self.leading, self.absent_since = True, {}
+            try:
+                while self.lease() == leader.lease:
+                    try:
+                        await self.one_pass(leader.guard())
+                    except ClusterError as exc:
+                        log.warning("reaper: pass failed: %s", exc)
+                    self._poked.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._poked.wait(), self.every)
+            finally:
+                self.leading = False
+
+    async def one_pass(self, guard: dict[str, Any]) -> list[Action]:
+        table = self.table
+        named = {r.host for r in table.sandboxes.values()
+                 if r.state not in (State.FAILED, State.DESTROYED)}
+        out: list[Action] = []
+        for dead in due(named, table.hosts, self.absent_since, time.monotonic(), self.grace):
+            actions = await reap(self.ownership, dead, list(table.hosts.values()), guard=guard,
+                                 k=self.k)
+            self.done.extend(a for a in actions if not isinstance(a, Wait))
+            out.extend(actions)
+        return out

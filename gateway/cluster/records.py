@@ -7,6 +7,7 @@ version's record), never a crash deep in the caller.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -15,6 +16,9 @@ from gateway.cluster.keys import check_host_name, check_sandbox_id
 from gateway.sandbox.states import State
 
 MAX_RECORD_BYTES = 16 << 10
+MAX_BASES = 64  # goldens a host publishes (64 ids of 64 hex digits: 4.3 KiB of its record)
+MAX_REASON = 1024
+_BASE = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,9 @@ class HostRecord:
     total_vcpus: int = 0
     free_vcpus: int = 0
     awake: int = 0  # sandboxes running or paused (holding RAM)
+    # The base images (goldens) it holds, by identity (gateway.sandbox.shipped.base_identity):
+    # a suspended sandbox's snapshot stands on one, so only a host holding it can adopt it.
+    bases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_host_name(self.name)
@@ -37,6 +44,10 @@ class HostRecord:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, not {value!r}")
+        if not isinstance(self.bases, (list, tuple)) or len(self.bases) > MAX_BASES or \
+                not all(isinstance(b, str) and _BASE.fullmatch(b) for b in self.bases):
+            raise ValueError(f"bases must be at most {MAX_BASES} SHA256 hex digests")
+        object.__setattr__(self, "bases", tuple(sorted(set(self.bases))))
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -56,6 +67,14 @@ class SandboxRecord:
     state: State
     gen: int = 1
     snapshot: str = ""  # where its suspended files are (object store URL), "" = local only
+    # Named with the snapshot (gateway.cluster.shipper), so the reaper places it without
+    # reading the object store: the base its disk and memory stand on ("" = unknown: a
+    # record from before bases), and its shape (0 = unknown).
+    base: str = ""
+    vcpus: int = 0
+    memory_mib: int = 0
+    disk_mib: int = 0
+    reason: str = ""  # why it is FAILED (the reaper's or an adoption's words), "" = none
 
     def __post_init__(self) -> None:
         check_sandbox_id(self.id)
@@ -66,6 +85,14 @@ class SandboxRecord:
             raise ValueError(f"gen must be an integer >= 1, not {self.gen!r}")
         if not isinstance(self.snapshot, str) or len(self.snapshot) > 2048:
             raise ValueError("snapshot must be a string of at most 2048 characters")
+        if not isinstance(self.base, str) or (self.base and not _BASE.fullmatch(self.base)):
+            raise ValueError("base must be a SHA256 hex digest or empty")
+        if not isinstance(self.reason, str) or len(self.reason) > MAX_REASON:
+            raise ValueError(f"reason must be a string of at most {MAX_REASON} characters")
+        for name in ("vcpus", "memory_mib", "disk_mib"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, not {value!r}")
 
     def moved_to(self, host: str, state: State) -> SandboxRecord:
         return replace(self, host=host, state=state, gen=self.gen + 1)

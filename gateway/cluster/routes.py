@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.cluster import wire
@@ -106,6 +107,9 @@ class RouteCache:
                  probe_after: float = 2.0) -> None:
         self.client, self.keys, self.name, self.probe_after = client, keys, name, probe_after
         self.table = RouteTable(keys)
+        # Called after each change is applied with its events, and with None after a
+        # listing (everything may have changed): the node's adopter and reaper.
+        self.listeners: list[Callable[[tuple[wire.Event, ...] | None], None]] = []
         self.relists = 0
         self._watcher: Watcher | None = None
         self._relist_task: asyncio.Task[None] | None = None
@@ -127,7 +131,19 @@ class RouteCache:
         cannot be listed (the caller retries or gives up)."""
         revision, kvs = await self._list()
         self.table.load(revision, kvs)
+        self._tell(None)
         self._watch_from(revision + 1)
+
+    def _applied(self, events: tuple[wire.Event, ...]) -> None:
+        self.table.apply(events)
+        self._tell(events)
+
+    def _tell(self, events: tuple[wire.Event, ...] | None) -> None:
+        for listener in list(self.listeners):
+            try:
+                listener(events)
+            except Exception:
+                log.exception("route cache listener %r failed", listener)
 
     async def _list(self) -> tuple[int, list[wire.KeyValue]]:
         """Every key under the directory, in pages, all read at the first page's revision."""
@@ -145,7 +161,7 @@ class RouteCache:
 
     def _watch_from(self, revision: int) -> None:
         self._watcher = Watcher(self.client, self.directory, wire.prefix_end(self.directory),
-                                revision, self.table.apply, name=self.name,
+                                revision, self._applied, name=self.name,
                                 on_error=self._watch_failed, probe_after=self.probe_after)
         self._watcher.start()
 
@@ -168,6 +184,7 @@ class RouteCache:
                     continue
                 self.table.load(revision, kvs)
                 self.relists += 1
+                self._tell(None)
                 self._watch_from(revision + 1)
                 return
         finally:

@@ -15,7 +15,10 @@ The rules, in order:
 3. the owner is another live host: forward to its advertised address;
 4. the owner is another host with no record (dead, or cut off): 503 ``owner_unavailable``;
    serving a local copy here could answer for the same sandbox from two hosts;
-5. otherwise (ours, or unknown to the fleet): served here.
+5. ours but still arriving (moved here, its adoption under way: gateway.cluster.adopter):
+   503 ``owner_unavailable`` asking to retry, rather than a 404 from a registry that does
+   not have it yet;
+6. otherwise (ours, or unknown to the fleet): served here.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ Decision = ServeHere | Forward | Refuse
 
 
 def decide(sandbox_id: str, route: Route | None, self_host: str, *,
-           forwarded_by: str | None, fenced: str | None) -> Decision:
+           forwarded_by: str | None, fenced: str | None, arriving: bool = False) -> Decision:
     ours = route is None or route.host == self_host
     if forwarded_by is not None and not ours:
         assert route is not None
@@ -67,6 +70,9 @@ def decide(sandbox_id: str, route: Route | None, self_host: str, *,
         if fenced is not None:
             return Refuse("host_fenced", f"host {self_host} is fenced ({fenced}): it serves "
                           "no sandboxes until it rejoins the fleet")
+        if arriving and route is not None:
+            return Refuse("owner_unavailable", f"sandbox {sandbox_id} is being moved to "
+                          f"{self_host} (its snapshot is being fetched): retry shortly")
         return ServeHere()
     assert route is not None
     if route.address is None:

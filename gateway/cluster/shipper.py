@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,7 +65,9 @@ class Shipper:
         old = self._tasks.pop(sandbox_id, None)
         if old is not None:
             old.cancel()
-        if State(transition.to_state) is State.SUSPENDED:
+        # An insert as SUSPENDED is an adoption (gateway.cluster.adopter): its snapshot is
+        # already in the store, named in the record.
+        if State(transition.to_state) is State.SUSPENDED and transition.from_state is not None:
             task = asyncio.create_task(self._ship(sandbox_id), name=f"ship:{sandbox_id}")
             self._tasks[sandbox_id] = task
             task.add_done_callback(lambda t, s=sandbox_id: self._done(s, t))
@@ -74,25 +77,31 @@ class Shipper:
             del self._tasks[sandbox_id]
         if not task.cancelled() and task.exception() is not None:
             self.failures += 1
+            exc = task.exception()
+            while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+                exc = exc.exceptions[0]  # the upload's TaskGroup: say what failed
             log.warning("cluster: shipping %s failed, it stays local only: %s",
-                        sandbox_id, task.exception())
+                        sandbox_id, exc)
 
     async def _ship(self, sandbox_id: str) -> None:
         async with self._gate:
             local = await self.describe_local(sandbox_id)
             if local is None:
                 return
-            files = await describe(local.directory, local.names)
+            held: dict[str, bytes] = {}
+            files = await describe(local.directory, local.names, held)
             plan = plan_upload(self.key_prefix,
                                Index(sandbox_id, local.base, files, local.meta))
             location = await upload(self.store, plan, local.directory,
-                                    concurrency=self.concurrency)
-        await self._record(sandbox_id, location)
+                                    concurrency=self.concurrency, held=held)
+        await self._record(sandbox_id, location, recorded(local))
 
-    async def _record(self, sandbox_id: str, location: str) -> None:
-        """Name ``location`` in the record. This task still running means the sandbox is
-        still SUSPENDED here (any other transition cancels it), so a record that says
-        otherwise lags (the publisher's write is pending): wait for it, bounded."""
+    async def _record(self, sandbox_id: str, location: str,
+                      extra: dict[str, Any] | None = None) -> None:
+        """Name ``location`` in the record (with ``extra``: the base and shape the reaper
+        places it by). This task still running means the sandbox is still SUSPENDED here
+        (any other transition cancels it), so a record that says otherwise lags (the
+        publisher's write is pending): wait for it, bounded."""
         for _ in range(self.record_attempts):
             current = await self.ownership.get(sandbox_id)
             if current is not None and current.record.host != self.host:
@@ -103,7 +112,8 @@ class Shipper:
                 await asyncio.sleep(self.retry_every)
                 continue
             try:
-                await self.ownership.update(current, self.lease(), snapshot=location)
+                await self.ownership.update(current, self.lease(), snapshot=location,
+                                            **(extra or {}))
             except ClusterError as exc:
                 log.info("cluster: recording %s's snapshot: %s; reading again", sandbox_id, exc)
                 await asyncio.sleep(self.retry_every)
@@ -122,6 +132,18 @@ class Shipper:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=5.0)
+
+
+def recorded(local: LocalSnapshot) -> dict[str, Any]:
+    """What the sandbox's etcd record carries beside the location: the base identity and
+    the shape (from the metadata), so the reaper needs no object-store read to place it."""
+    out: dict[str, Any] = {"base": local.base if re.fullmatch(r"[0-9a-f]{64}", local.base)
+                           else ""}
+    for name in ("vcpus", "memory_mib", "disk_mib"):
+        value = local.meta.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            out[name] = value
+    return out
 
 
 def from_registry(registry: Registry) -> Callable[[str], Awaitable[LocalSnapshot | None]]:

@@ -20,6 +20,7 @@ import hashlib
 import json
 import re
 import shutil
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -122,11 +123,30 @@ def hash_file(path: Path) -> str:
     return h.hexdigest()
 
 
-async def describe(directory: Path, names: list[str]) -> tuple[ShipFile, ...]:
-    """The files to ship (size and SHA256 of each), hashed off the event loop."""
+HELD_BYTES = 256 << 10  # files up to this size are read once, hashed and sent from memory
+
+
+def _read_small(path: Path) -> bytes | None:
+    with open(path, "rb") as f:
+        data = f.read(HELD_BYTES + 1)
+    return data if len(data) <= HELD_BYTES else None
+
+
+async def describe(directory: Path, names: list[str],
+                   held: dict[str, bytes] | None = None) -> tuple[ShipFile, ...]:
+    """The files to ship (size and SHA256 of each), hashed off the event loop. With
+    ``held``, small files are read once into it, so what is sent is what was hashed even
+    if the file is replaced meanwhile (a suspended sandbox's manifest is rewritten by the
+    background seal while it ships: ``upload`` sends ``held``'s bytes)."""
     out = []
     for name in names:
         path = directory / name
+        data = await asyncio.to_thread(_read_small, path) if held is not None else None
+        if data is not None:
+            assert held is not None
+            held[name] = data
+            out.append(ShipFile(name, len(data), hashlib.sha256(data).hexdigest()))
+            continue
         out.append(ShipFile(name, path.stat().st_size, await asyncio.to_thread(hash_file, path)))
     return tuple(out)
 
@@ -142,15 +162,23 @@ async def _retrying(what: str, attempt: Any, retries: int, backoff: float) -> No
 
 
 async def upload(store: Store, plan: UploadPlan, directory: Path, *, concurrency: int = 2,
-                 retries: int = 3, backoff: float = 0.5) -> str:
-    """Upload every file, then the index; the location to record. A cancellation (a newer
-    suspend superseding this one) stops every transfer; what was sent is left unnamed."""
+                 retries: int = 3, backoff: float = 0.5,
+                 held: dict[str, bytes] | None = None) -> str:
+    """Upload every file (those in ``held`` from those bytes), then the index; the
+    location to record. A cancellation (a newer suspend superseding this one) stops every
+    transfer; what was sent is left unnamed."""
     gate = asyncio.Semaphore(concurrency)
+    held = held or {}
 
     async def one(f: ShipFile) -> None:
+        key = f"{plan.prefix}/{f.name}"
         async with gate:
+            if f.name in held:
+                await _retrying(f.name, lambda: store.put_bytes(key, held[f.name]), retries,
+                                backoff)
+                return
             await _retrying(f.name, lambda: store.put_file(
-                f"{plan.prefix}/{f.name}", directory / f.name, f.sha256), retries, backoff)
+                key, directory / f.name, f.sha256), retries, backoff)
 
     async with asyncio.TaskGroup() as group:
         for f in plan.files:
@@ -160,18 +188,21 @@ async def upload(store: Store, plan: UploadPlan, directory: Path, *, concurrency
     return plan.location
 
 
-async def fetch(store: Store, location: str, dest: Path, *, base: str) -> Index:
+async def fetch(store: Store, location: str, dest: Path, *,
+                base: str | Collection[str]) -> Index:
     """Download a shipped snapshot into ``dest`` (which must not exist), every byte
     checked; on any failure nothing is left at ``dest``. ``base`` is this host's identity
-    of the disk's base image: a snapshot made over another base is refused."""
+    of the disk's base image (or the set of those it holds): a snapshot made over another
+    base is refused."""
     prefix, digest = parse_location(location)
     raw = await store.get_bytes(f"{prefix}/{INDEX}", MAX_INDEX_BYTES)
     if hashlib.sha256(raw).hexdigest() != digest:
         raise SnapshotRefused(f"{location}: the index does not match its digest")
     index = Index.decode(raw)
-    if index.base != base:
+    if index.base != base if isinstance(base, str) else index.base not in base:
+        held = base if isinstance(base, str) else ", ".join(sorted(b[:16] for b in base))
         raise SnapshotRefused(f"{index.sandbox_id}: its disk is an overlay on base "
-                              f"{index.base!r}, this host has {base!r}")
+                              f"{index.base!r}, this host has {held!r}")
     if dest.exists():
         raise FileExistsError(dest)
     partial = dest.with_name(dest.name + ".fetching")

@@ -9,7 +9,7 @@ leaves VMMs running; the next start re-adopts them.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ from gateway.http.ratelimit import (
 from gateway.store.registry import Registry
 from gateway.sandbox.recovery import reconcile
 from gateway.sandbox.service import SandboxService, current_wake
+from gateway.sandbox.states import State
 from vmctl import backend as vm_backend
 from vmctl import dnsfwd, network
 from vmctl.golden import Golden, ensure_golden
@@ -191,8 +192,10 @@ async def _serve(app: web.Application, config: Config,
     try:
         # [cluster] (docs/cluster.md): off by default, and then nothing is created.
         node = await cluster_node.start_if_enabled(
-            config.cluster, lambda: [(r.state, r.vcpus) for r in registry.list()])
+            config.cluster, lambda: [(r.state, r.vcpus) for r in registry.list()],
+            _bases_of(config))
         if node is not None:
+            _adopt_through(service, node)
             _route_through(app, config, registry, node)
             await _share_keys_and_quotas(service, node)
         log.info("agentbox ready on http://%s, dashboard at /dashboard (vmm %s/%s; "
@@ -210,6 +213,37 @@ async def _serve(app: web.Application, config: Config,
             await node.aclose()
         await build_routes.detach(app, service)
         await service.aclose()
+
+
+def _bases_of(config: Config) -> Callable[[], Collection[str]]:
+    """The base images (goldens) this host holds, by identity (docs/cluster.md)."""
+    from gateway.sandbox.shipped import local_bases
+
+    return lambda: local_bases(config.server.images_dir).keys()
+
+
+def _adopt_through(service: SandboxService, node: cluster_node.ClusterNode) -> None:
+    """[cluster] with an object store: records moved here are adopted (fetched and
+    registered SUSPENDED), local copies of records moved away are destroyed."""
+    if node.adopter is None:
+        return
+    from functools import partial
+
+    from gateway.cluster.adopter import Local
+    from gateway.sandbox import adoption
+
+    registry = service.registry
+    adoption.sweep(service.sandboxes_dir)
+
+    def state(sandbox_id: str) -> State | None:
+        rec = registry.get(sandbox_id)
+        return None if rec is None or rec.state is State.DESTROYED else rec.state
+
+    node.adoptable = partial(adoption.adoptable, registry)
+    node.adopter.local = Local(state=state, adoptable=node.adoptable,
+                               adopt=partial(adoption.adopt, service),
+                               evict=partial(adoption.evict, service),
+                               bases=node.bases)
 
 
 def _route_through(app: web.Application, config: Config, registry: Registry,

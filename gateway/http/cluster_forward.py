@@ -63,7 +63,8 @@ async def cluster_middleware(request: web.Request, handler: Handler) -> web.Stre
         return await handler(request)
     forwarded_by = request.headers.get(routing.HOP_HEADER)
     decision = routing.decide(sandbox_id, node.routes.route(sandbox_id), node.config.host,
-                              forwarded_by=forwarded_by, fenced=node.fenced)
+                              forwarded_by=forwarded_by, fenced=node.fenced,
+                              arriving=node.arriving(sandbox_id))
     try:
         if isinstance(decision, routing.Forward):
             return await request.app[FORWARDER_KEY].forward(request, decision.host,

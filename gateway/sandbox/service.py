@@ -79,6 +79,7 @@ class SandboxService:
         self.run_id: int | None = None  # this daemon's row in daemon_runs (gateway.tenancy.usage)
         self.shapes = ShapeGoldens(backend, goldens, self.spawn)
         # [cluster] on: gateway.cluster.quota.FleetQuota.check (a key's limits over the fleet).
+        self._claimed_slots: set[int] = set()  # claim_slot: taken before their row exists
         self.fleet_quota: Callable[[str, quotas.Limits, quotas.Usage], Awaitable[None]] | None \
             = None
 
@@ -182,7 +183,7 @@ class SandboxService:
         shape = shape or resources.Shape(golden.vcpus, golden.mem_mib, golden.disk_mib)
         quotas.check_create(tenant, limits, self.tenant_usage(tenant, measure_disk=bool(
             limits.max_disk_mib)), self._counted_disk(golden, shape))
-        used = self.registry.used_slots()
+        used = self.registry.used_slots() | self._claimed_slots
         if len(used) >= self.config.sandbox.max_sandboxes:
             raise Unavailable(f"this host is at its limit of {self.config.sandbox.max_sandboxes} "
                               "sandboxes", code="sandbox_limit", headers={"Retry-After": "30"})
@@ -200,6 +201,23 @@ class SandboxService:
             disk_mib=shape.disk_mib, **(extra or {}))
         self.registry.insert_sandbox(rec)
         return rec
+
+    def claim_slot(self) -> int:
+        """Take a network slot before its sandbox's row exists (an adoption makes the
+        namespace first: gateway.sandbox.adoption); ``release_slot`` once the row holds
+        it, or on failure. Unavailable when none is free."""
+        used = self.registry.used_slots() | self._claimed_slots
+        if len(used) >= self.config.sandbox.max_sandboxes:
+            raise Unavailable(f"this host is at its limit of {self.config.sandbox.max_sandboxes} "
+                              "sandboxes", code="sandbox_limit", headers={"Retry-After": "30"})
+        slot = self._free_slot(used)
+        if slot is None:
+            raise Unavailable("network address pool exhausted", code="sandbox_limit")
+        self._claimed_slots.add(slot)
+        return slot
+
+    def release_slot(self, slot: int) -> None:
+        self._claimed_slots.discard(slot)
 
     def _free_slot(self, used: set[int]) -> int | None:
         """Lowest slot no sandbox of ours holds and whose host interface does not exist

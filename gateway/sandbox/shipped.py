@@ -40,10 +40,13 @@ def shippable(directory: Path) -> Shippable:
     root = directory.parent
     names, outside = [], []
     for entry in manifest.files.values():
-        for key in ("path", "golden"):
-            if key not in entry:
+        # A compact memory (vmctl.store.compact_memory) is its diff from the golden's: the
+        # diff is shipped, the memory file it replaced no longer exists.
+        for sub, key in ((entry.get("diff"), "path"), (entry.get("diff"), "golden"),
+                         (None if "diff" in entry else entry, "path"), (entry, "golden")):
+            if sub is None or key not in sub:
                 continue
-            path = Path(entry[key])
+            path = Path(sub[key])
             path = path if path.is_absolute() else directory / path
             if not path.is_relative_to(root):
                 outside.append(str(path))
@@ -68,8 +71,29 @@ class Suspended:
 
 def base_identity(golden_dir: Path) -> str:
     """The golden's manifest hashes every file of the golden (disk base, memory), so its
-    own SHA256 identifies the base a sandbox's overlay and memory diff stand on."""
+    own SHA256 identifies the base a sandbox's overlay and memory diff stand on. Goldens
+    built on two hosts differ (a booted VM's memory does): the same base on two hosts
+    means the same build, copied (docs/cluster.md)."""
     return hashlib.sha256((golden_dir / store.MANIFEST).read_bytes()).hexdigest()
+
+
+_bases: dict[tuple[str, int, int], str] = {}  # (manifest path, mtime, size) -> identity
+
+
+def local_bases(images_dir: Path) -> dict[str, Path]:
+    """Every golden under ``images_dir`` ({template}/{build}/golden-*/ with a manifest)
+    by its base identity (blocking; the manifests' hashes are cached by mtime and size)."""
+    out: dict[str, Path] = {}
+    for manifest in sorted(images_dir.glob(f"*/*/golden-*/{store.MANIFEST}")):
+        try:
+            st = manifest.stat()
+            key = (str(manifest), st.st_mtime_ns, st.st_size)
+            if key not in _bases:
+                _bases[key] = base_identity(manifest.parent)
+        except OSError:
+            continue
+        out.setdefault(_bases[key], manifest.parent)
+    return out
 
 
 def describe_suspended(rec: SandboxRecord) -> Suspended | None:

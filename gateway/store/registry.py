@@ -230,13 +230,19 @@ class Registry:
 
     # -- sandboxes ---------------------------------------------------------------
 
-    def insert_sandbox(self, rec: SandboxRecord) -> None:
+    def insert_sandbox(self, rec: SandboxRecord, event: str = "insert",
+                       cause: str = "created by API", replace_destroyed: bool = False) -> None:
+        """``replace_destroyed``: a DESTROYED row of the same id is replaced (a sandbox
+        adopted back by a host it once left: gateway.sandbox.adoption)."""
         row = _to_row(rec)
         cols = ", ".join(row)
         marks = ", ".join("?" for _ in row)
         with self._tx():
+            if replace_destroyed:
+                self._db.execute("DELETE FROM sandboxes WHERE id = ? AND state = 'destroyed'",
+                                 (rec.id,))
             self._db.execute(f"INSERT INTO sandboxes ({cols}) VALUES ({marks})", list(row.values()))
-            done = self._log(rec.id, None, rec.state, "insert", "created by API", rec.tenant)
+            done = self._log(rec.id, None, rec.state, event, cause, rec.tenant)
         self._emit(done)
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:

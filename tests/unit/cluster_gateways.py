@@ -42,6 +42,10 @@ class FakeNode:
     routes: Any = field(default_factory=FakeRoutes)
     fenced: str | None = None
     placed: Any = None  # what place_create answers (None: serve here)
+    adopting: set[str] = field(default_factory=set)  # moved here, not registered yet
+
+    def arriving(self, sandbox_id: str) -> bool:
+        return sandbox_id in self.adopting
 
     @property
     def config(self) -> Any:

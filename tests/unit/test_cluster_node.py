@@ -45,3 +45,29 @@ async def test_the_shipper_exists_only_with_an_object_store() -> None:
     assert node.shipper is not None and node.shipper.concurrency == 2
     assert await node.shipper.describe_local("sb") is None  # until the app sets it
     await node.aclose()
+
+
+async def test_a_sync_keeps_records_to_adopt_and_failed_reasons_and_publishes_bases() -> None:
+    from gateway.cluster.node import Load
+    from gateway.cluster.records import SandboxRecord
+
+    snap = "p/snapshots/s/0#" + "a" * 64
+    node = ClusterNode(ClusterConfig(
+        enabled=True, endpoints=["http://127.0.0.1:1"], host="h1", advertise="127.0.0.1:8080",
+        objstore_endpoint="http://127.0.0.1:2", objstore_bucket="snaps",
+        objstore_access_key="AK", objstore_secret_key="SK"),
+        lambda: Load(100, 50, 2, 2, 0), bases=lambda: {"c" * 64, "b" * 64})
+    assert node.record().bases == ("b" * 64, "c" * 64)
+    table = node.routes.table.sandboxes
+    table.update({
+        "moved": SandboxRecord("moved", "h1", State.SUSPENDED, 2, snap),  # to adopt
+        "dead": SandboxRecord("dead", "h1", State.FAILED, 2, reason="host died"),
+        "gone": SandboxRecord("gone", "h1", State.SUSPENDED, 1, snap),  # destroyed here
+        "mine": SandboxRecord("mine", "h1", State.RUNNING),
+        "other": SandboxRecord("other", "h2", State.RUNNING)})
+    node.adoptable = lambda sandbox_id: sandbox_id == "moved"
+    noted = []
+    node.publisher.sync = lambda items: noted.extend(items)
+    node.publish_local(lambda: [("mine", State.RUNNING)])
+    assert noted == [("mine", State.RUNNING), ("gone", State.DESTROYED)]
+    await node.aclose()

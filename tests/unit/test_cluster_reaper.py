@@ -82,7 +82,7 @@ class FakeOwnership:
     async def list(self):
         return 99, dict(self.records)
 
-    async def move(self, current, to_host, state, guards=()):
+    async def move(self, current, to_host, state, guards=(), **changes):
         if current.record.id in self.conflict:
             raise OwnershipConflict("changed since read", None)
         self.moves.append((current.record.id, to_host, state, guards))
@@ -106,3 +106,76 @@ async def test_reap_applies_moves_and_failures_with_the_leader_guard():
     assert all(m[3] == (guard,) for m in fake.moves)
     assert fake.records["s1"].record.gen == 5
     assert [a.sandbox_id for a in done] == ["s1", "s2"]
+
+
+BASE_X, BASE_Y = "1" * 64, "2" * 64
+
+
+def test_only_a_host_holding_its_base_is_chosen_and_its_shape_is_placed():
+    # b is emptier but lacks the base: c (which holds it) is chosen. The record's own shape
+    # (1 GiB) is what placement checks: c has 1 GiB free, so a 2 GiB sandbox waits.
+    live = [HostRecord("b", "b:1", total_mib=8192, free_mib=8192, total_vcpus=4,
+                       free_vcpus=4, bases=(BASE_Y,)),
+            HostRecord("c", "c:1", total_mib=4096, free_mib=1024, total_vcpus=4,
+                       free_vcpus=4, bases=(BASE_X, BASE_Y))]
+    rec = SandboxRecord("s", "a", State.SUSPENDED, snapshot=SNAP, base=BASE_X, vcpus=1,
+                        memory_mib=1024)
+    assert decide("a", [rec], live, k=5) == [Move("s", "c", SNAP)]
+    big = SandboxRecord("s", "a", State.SUSPENDED, snapshot=SNAP, base=BASE_X,
+                        memory_mib=2048)
+    [wait] = decide("a", [big], live, k=5)
+    assert isinstance(wait, Wait) and "2048 MiB" in wait.reason
+
+
+def test_no_live_host_holding_its_base_waits():
+    live = [HostRecord("b", "b:1", total_mib=8192, free_mib=8192, total_vcpus=4,
+                       free_vcpus=4, bases=(BASE_Y,))]
+    rec = SandboxRecord("s", "a", State.SUSPENDED, snapshot=SNAP, base=BASE_X)
+    [wait] = decide("a", [rec], live)
+    assert isinstance(wait, Wait) and "base" in wait.reason
+    # A record from before bases (base unknown) goes to any host; its fetch checks.
+    old = SandboxRecord("s", "a", State.SUSPENDED, snapshot=SNAP)
+    assert decide("a", [old], live) == [Move("s", "b", SNAP)]
+
+
+def test_records_and_host_records_without_the_new_fields_still_parse():
+    old = b'{"id": "s", "host": "a", "state": "suspended", "gen": 2, "snapshot": ""}'
+    rec = SandboxRecord.decode(old)
+    assert (rec.base, rec.vcpus, rec.memory_mib, rec.reason) == ("", 0, 0, "")
+    host = HostRecord.decode(b'{"name": "a", "address": "a:1"}')
+    assert host.bases == ()
+    again = HostRecord.decode(HostRecord("a", "a:1", bases=[BASE_Y, BASE_X]).encode())
+    assert again.bases == (BASE_X, BASE_Y)
+    with pytest.raises(ValueError):
+        HostRecord("a", "a:1", bases=("not-a-digest",))
+
+
+def test_a_host_is_due_only_after_it_has_been_gone_for_the_grace():
+    from gateway.cluster.reaper import due
+
+    since: dict[str, float] = {}
+    assert due({"a", "b"}, {"b"}, since, now=100.0, grace=60.0) == []
+    assert since == {"a": 100.0}
+    assert due({"a", "b"}, {"b"}, since, now=159.0, grace=60.0) == []
+    assert due({"a", "b"}, {"b"}, since, now=160.0, grace=60.0) == ["a"]
+    # It came back (a daemon restart within the grace): forgotten, its clock restarts.
+    assert due({"a", "b"}, {"a", "b"}, since, now=161.0, grace=60.0) == [] and since == {}
+    assert due({"a"}, set(), since, now=170.0, grace=0.0) == ["a"]
+
+
+async def test_the_loop_reaps_only_due_hosts_with_work_left():
+    from gateway.cluster.reaper import ReaperLoop
+    from gateway.cluster.routes import RouteTable
+    from gateway.cluster.keys import Keys
+
+    table = RouteTable(Keys("/x"))
+    table.hosts = {h.name: h for h in LIVE}
+    table.sandboxes = {
+        "s1": SandboxRecord("s1", "a", State.SUSPENDED, snapshot=SNAP),
+        "s2": SandboxRecord("s2", "d", State.FAILED),  # done already: d is not reaped
+        "s3": SandboxRecord("s3", "b", State.RUNNING)}
+    fake = FakeOwnership(list(table.sandboxes.values()))
+    loop = ReaperLoop(None, fake, table, "b", lambda: 7, grace=0.0)
+    done = await loop.one_pass({"guard": 1})
+    assert done == [Move("s1", "b", SNAP)] and [m[0] for m in fake.moves] == ["s1"]
+    assert set(loop.absent_since) == {"a"}

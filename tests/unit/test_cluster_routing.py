@@ -73,3 +73,12 @@ def test_only_a_fleet_host_is_believed_about_its_client() -> None:
     assert client_of("host-b", "9.9.9.9", "5.6.7.8", fleet) is None  # not a fleet host
     assert client_of("host-b", "10.0.0.2", "", fleet) is None
     assert client_of("host-b", None, "5.6.7.8", fleet) is None
+
+
+def test_a_sandbox_still_arriving_here_is_retried_not_404() -> None:
+    got = decide("sbx1", route("host-a"), "host-a", forwarded_by=None, fenced=None,
+                 arriving=True)
+    assert isinstance(got, Refuse) and got.code == "owner_unavailable" and "retry" in got.message
+    got = decide("sbx1", route("host-a"), "host-a", forwarded_by="host-b", fenced=None,
+                 arriving=True)
+    assert isinstance(got, Refuse) and got.code == "owner_unavailable"

@@ -12,6 +12,8 @@ from gateway.sandbox.states import State
 from gateway.store.feed import Transition
 from tests.unit.test_cluster_shipping import MemStore
 
+BASE = "b" * 64
+
 
 class FakeOwnership:  # compare-and-set on a revision, like etcd's txn
     def __init__(self, record):
@@ -28,17 +30,18 @@ class FakeOwnership:  # compare-and-set on a revision, like etcd's txn
 
 
 def moved(sandbox_id, to_state):
-    return Transition(1, sandbox_id, "t", None, to_state.value, "x", "", 0.0)
+    return Transition(1, sandbox_id, "t", "running", to_state.value, "x", "", 0.0)
 
 
 def make(tmp_path, state=State.SUSPENDED, store=None):
     d = tmp_path / "snap"
     d.mkdir(exist_ok=True)
-    (d / "memory").write_bytes(b"m" * 100)
+    (d / "memory").write_bytes(b"m" * (300 << 10))  # over HELD_BYTES: streamed
     own = FakeOwnership(SandboxRecord("sb", "h1", state))
 
     async def local(sandbox_id):
-        return LocalSnapshot(d, ["memory"], "base", {"tenant": "t"})
+        return LocalSnapshot(d, ["memory"], BASE, {"tenant": "t", "vcpus": 2,
+                                                   "memory_mib": 512, "disk_mib": 0})
 
     store = store or MemStore()
     return Shipper(store, own, "h1", lambda: 7, local, key_prefix="p"), own, store
@@ -52,6 +55,16 @@ async def test_suspend_uploads_then_records(tmp_path):
     location = own.current.record.snapshot
     assert location and shipper.shipped["sb"] == location
     assert f"{location.partition('#')[0]}/{INDEX}" in store.objects
+    # The reaper places it from the record alone: its base and shape ride along.
+    rec = own.current.record
+    assert (rec.base, rec.vcpus, rec.memory_mib, rec.disk_mib) == (BASE, 2, 512, 0)
+    await shipper.aclose()
+
+
+async def test_an_adoption_insert_is_not_shipped_again(tmp_path):
+    shipper, own, store = make(tmp_path)
+    shipper.heard(Transition(1, "sb", "t", None, "suspended", "adopted", "", 0.0))
+    assert shipper.uploading == 0 and not store.objects
     await shipper.aclose()
 
 

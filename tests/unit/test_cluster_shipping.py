@@ -132,3 +132,22 @@ async def test_a_cancelled_upload_never_writes_the_index(tmp_path):
     with pytest.raises(asyncio.CancelledError):
         await task
     assert f"{plan.prefix}/{INDEX}" not in store.objects
+
+
+async def test_a_small_file_replaced_while_shipping_is_sent_as_hashed(tmp_path):
+    # The background seal rewrites a suspended sandbox's manifest (os.replace) while the
+    # shipper works: the bytes sent must be the ones the index hashed.
+    d = tmp_path / "snap"
+    d.mkdir()
+    (d / "manifest.json").write_bytes(b'{"before": 1}')
+    (d / "memory").write_bytes(b"m" * (300 << 10))  # over HELD_BYTES: streamed from disk
+    held: dict[str, bytes] = {}
+    files = await describe(d, ["manifest.json", "memory"], held)
+    assert set(held) == {"manifest.json"}
+    (d / "manifest.json").write_bytes(b'{"after the seal": 2}')
+    store = MemStore()
+    plan = plan_upload("p", Index("sb", "b", files))
+    location = await upload(store, plan, d, held=held)
+    out = tmp_path / "out"
+    await fetch(store, location, out, base="b")
+    assert (out / "manifest.json").read_bytes() == b'{"before": 1}'
