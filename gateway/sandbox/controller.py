@@ -48,6 +48,10 @@ __all__ = ["HoldCounter", "Lease", "RestoreFailed", "SandboxController", "VMLost
            "WakePolicy", "WakeTimeout"]
 
 
+async def _nothing_to_move() -> None:
+    raise RuntimeError("no migration was asked for")
+
+
 class HoldCounter:
     """Requests held across all sandboxes (the global bound)."""
 
@@ -107,6 +111,7 @@ class SandboxController:
         self._watch: ExitWatch | None = None
         self._last_activity: float | None = None  # wall clock of the last request's end
         self.streams = 0  # open WebSockets / streamed responses (for metrics and tests)
+        self._move: tuple[str, Callable[[], Awaitable[None]]] = ("", _nothing_to_move)
         machine.on_vmm_started = self._vmm_started
 
     def __repr__(self) -> str:
@@ -319,6 +324,23 @@ class SandboxController:
         assert self._op is not None
         return self._op
 
+    def start_migrate(self, host: str, move: Callable[[], Awaitable[None]]) -> asyncio.Task:
+        """Begin moving the running sandbox to ``host`` (a drain): ``move()`` does it
+        (``gateway.sandbox.migration``) and returns once the guest runs there, or raises
+        with the VM running here again. New requests are held meanwhile. Returns the
+        operation's task (it raises what ``move`` raised)."""
+        self._move = (host, move)
+        for cmd in self._run(self.core.handle(c.MigrateRequested(host))):
+            if isinstance(cmd, c.Reject):
+                raise cmd.error
+        assert self._op is not None
+        return self._op
+
+    def arrived(self) -> None:
+        """The destination's side: the VM moved here runs (``gateway.sandbox.migration``):
+        CREATING -> RUNNING, its VMM watched, requests admitted."""
+        self._run(self.core.handle(c.CreateFinished(self._vmm())))
+
     def close(self) -> None:
         """Stop watching the VMM (the daemon is stopping; the VMM keeps running)."""
         self._stop_watch()
@@ -352,7 +374,8 @@ class SandboxController:
 
     def _start(self, op: c.Op) -> None:
         coro = {c.Op.CREATE: self._create_op, c.Op.SUSPEND: self._suspend_op,
-                c.Op.PAUSE: self._pause_op, c.Op.UNPAUSE: self._unpause_op}.get(op)
+                c.Op.PAUSE: self._pause_op, c.Op.UNPAUSE: self._unpause_op,
+                c.Op.MIGRATE: self._migrate_op}.get(op)
         self._op = self._spawn(coro() if coro else self._restore_op(op),
                                f"{op.value}-{self.id}")
 
@@ -448,6 +471,29 @@ class SandboxController:
             self.metrics.events["unpause"] += 1
             self.metrics.unpause_seconds.observe(ms / 1000)
             self._run(self.core.handle(c.UnpauseFinished(ms)))
+        finally:
+            self._end_op()
+
+    async def _migrate_op(self) -> None:
+        host, move = self._move
+        try:
+            self._stop_watch()  # once moved, this VMM exits on purpose
+            try:
+                await move()
+            except BaseException as exc:
+                driver = self.machine.driver
+                alive = driver is not None and driver.alive()
+                if alive:
+                    vmm = self._vmm()
+                    if vmm:
+                        self._start_watch(vmm["pid"])
+                self.metrics.events["migrate_failed"] += 1
+                self._run(self.core.handle(c.MigrateFailed(str(exc) or repr(exc), alive)))
+                raise
+            self.metrics.events["migrate"] += 1
+            self._run(self.core.handle(c.MigrateFinished(host)))
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.machine.destroy())  # its namespace and files
         finally:
             self._end_op()
 
