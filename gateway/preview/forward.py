@@ -16,11 +16,23 @@ before the response started is ``owner_unavailable`` (503) or ``upstream_timeout
 after it started, the client's connection is closed (a truncated body is never passed off
 as whole). A WebSocket the owner refuses is a 502 ``bad_gateway`` naming the owner's status
 (its error body is not relayed).
+
+The owner leaving the fleet ends what is in flight to it: the caller's ``live()`` (the
+route cache still names that host, live, as the owner) is checked every
+``LIVENESS_POLL`` seconds, and once false a request still waiting for its answer gets 504
+``upstream_timeout`` (it may have run there: its outcome is unknown), a response being
+relayed is cut as above, and a spliced WebSocket is closed (1001). Without it, a request
+on a pooled connection to a host that was cut off waited the whole ``read_timeout``
+(tests/cluster/test_fleet_e2e.py found it), and a terminal WebSocket forever.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -36,6 +48,51 @@ from gateway.preview.proxy import (
 from gateway.preview.proxy_headers import upstream_headers
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+LIVENESS_POLL = 0.25  # seconds between checks that the owner is still the live owner
+Live = Callable[[], bool]
+
+
+class _OwnerLeft(Exception):
+    """``live()`` turned false while waiting for the owner."""
+
+
+async def _unless_left(live: Live | None, work: Awaitable[T]) -> T:
+    """``await work``, unless ``live()`` turns false first: then ``work`` is cancelled and
+    ``_OwnerLeft`` raised. Cancelling the caller cancels ``work`` too."""
+    if live is None:
+        return await work
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=LIVENESS_POLL)
+            if done:
+                return task.result()
+            if not live():
+                raise _OwnerLeft
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+@contextlib.asynccontextmanager
+async def _watching(live: Live | None, on_left: Callable[[], object]) -> AsyncIterator[None]:
+    """Within the block, ``on_left()`` is called once if ``live()`` turns false."""
+    if live is None:
+        yield
+        return
+
+    async def watch() -> None:
+        while live():
+            await asyncio.sleep(LIVENESS_POLL)
+        on_left()
+    watcher = asyncio.ensure_future(watch())
+    try:
+        yield
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
 
 
 class Forwarder:
@@ -62,12 +119,14 @@ class Forwarder:
         if self._session is not None:
             await self._session.close()
 
-    async def forward(self, request: web.Request, host: str,
-                      address: str) -> web.StreamResponse:
+    async def forward(self, request: web.Request, host: str, address: str,
+                      live: Live | None = None) -> web.StreamResponse:
+        """``live``: whether ``host`` is still the sandbox's live owner (checked while the
+        request is in flight; None: not checked)."""
         self.forwarded += 1
         url = URL(f"http://{address}{request.raw_path}", encoded=True)
         if is_websocket(request):
-            return await self._websocket(request, host, url)
+            return await self._websocket(request, host, url, live)
         headers = self._headers(request, websocket=False)
         if request.content_length is not None:
             headers["Content-Length"] = str(request.content_length)
@@ -75,9 +134,12 @@ class Forwarder:
             await send_continue(request)
         body = request.content if request.body_exists else None
         try:
-            upstream = await self.session().request(
+            upstream = await _unless_left(live, self.session().request(
                 request.method, url, headers=headers, data=body, allow_redirects=False,
-                compress=None)
+                compress=None))
+        except _OwnerLeft as exc:
+            raise UpstreamTimeout(f"the owner {host} ({address}) left the fleet before it "
+                                  "answered; the request may have run there") from exc
         except aiohttp.ServerTimeoutError as exc:
             raise UpstreamTimeout(f"the owner {host} ({address}) did not answer in "
                                   "time") from exc
@@ -85,12 +147,14 @@ class Forwarder:
             raise OwnerUnavailable(f"cannot forward to the owner {host} ({address}): "
                                    f"{exc}") from exc
         try:
-            return await relay(request, upstream, f"forward to {host}")
+            # Closing the upstream makes relay() cut the client's connection.
+            async with _watching(live, upstream.close):
+                return await relay(request, upstream, f"forward to {host}")
         finally:
             upstream.release()
 
-    async def _websocket(self, request: web.Request, host: str,
-                         url: URL) -> web.StreamResponse:
+    async def _websocket(self, request: web.Request, host: str, url: URL,
+                         live: Live | None) -> web.StreamResponse:
         offered = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "")
                    .split(",") if p.strip()]
         try:
@@ -111,7 +175,12 @@ class Forwarder:
                 max_msg_size=self.max_ws, autoping=False, autoclose=True, compress=False,
                 timeout=WS_CLOSE_TIMEOUT)
             await down.prepare(request)
-            await splice(down, upstream)
+            closing: list[asyncio.Task[bool]] = []
+            async with _watching(live, lambda: closing.append(asyncio.ensure_future(
+                    down.close(code=aiohttp.WSCloseCode.GOING_AWAY,
+                               message=b"the sandbox's owner left the fleet")))):
+                await splice(down, upstream)
+            await asyncio.gather(*closing, return_exceptions=True)
             return down
         finally:
             if not upstream.closed:

@@ -316,13 +316,28 @@ class Fleet:
         return NsClient(self.etcd.switch, host.url, headers, timeout, workers)
 
     def client(self, host: Host | str, key: str | None = None, timeout: float = 120,
-               workers: int = 1) -> NsClient:
-        """A client to ``host`` with ``key`` (default: the fleet's admin key); closed with
-        the fleet."""
+               workers: int = 1, inside: bool = False) -> NsClient:
+        """A client to ``host`` with ``key`` (default: the fleet's admin key; "": none);
+        closed with the fleet. ``inside``: from the host's own namespace (reaches it while its link
+        is cut) instead of the switch."""
         host = self.host(host) if isinstance(host, str) else host
-        client = self._raw_client(host, key or self.admin_key, timeout, workers)
+        key = self.admin_key if key is None else key
+        client = NsClient(host.netns if inside else self.etcd.switch, host.url,
+                          {"Authorization": f"Bearer {key}"} if key else {}, timeout, workers)
         self._clients.append(client)
         return client
+
+    def create_on(self, host: Host | str, **body: Any) -> str:
+        """Create a sandbox on ``host`` itself (placement skipped: the request carries the
+        hop header, as a create another host placed here does); returns its id once its
+        record names ``host``."""
+        host = self.host(host) if isinstance(host, str) else host
+        r = self.client(host).post("/v1/sandboxes", json={"template": "python", **body},
+                                   headers={"X-AgentBox-Forwarded": "test-placement"})
+        assert r.status_code == 201, r.text
+        sandbox_id: str = r.json()["id"]
+        assert self.owner(sandbox_id) is host
+        return sandbox_id
 
     @staticmethod
     def wait_for(check: Callable[[], bool], timeout: float, what: str,
@@ -354,6 +369,19 @@ class Fleet:
             finally:
                 await client.aclose()
             return SandboxRecord.decode(kv.value) if kv is not None else None
+        return self.loop.run(read(), timeout=30)
+
+    def host_record(self, host: Host) -> bool:
+        """Whether etcd holds ``host``'s record (it is live to the fleet)."""
+        from gateway.cluster.etcd import EtcdClient
+        from gateway.cluster.keys import Keys
+
+        async def read() -> bool:
+            client = EtcdClient(self.etcd.endpoints, attempt_timeout=0.5)
+            try:
+                return await client.get(Keys(f"/{self.prefix}").host(host.name)) is not None
+            finally:
+                await client.aclose()
         return self.loop.run(read(), timeout=30)
 
     def owner(self, sandbox_id: str) -> Host:
