@@ -31,8 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterator
 
 import aiohttp
 from aiohttp import web
@@ -48,51 +47,50 @@ from gateway.preview.proxy import (
 from gateway.preview.proxy_headers import upstream_headers
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 LIVENESS_POLL = 0.25  # seconds between checks that the owner is still the live owner
 Live = Callable[[], bool]
 
 
-class _OwnerLeft(Exception):
-    """``live()`` turned false while waiting for the owner."""
+class _Watchdog:
+    """Calls an entry's ``on_left()`` once its ``live()`` is false; one task polls every
+    entry each ``LIVENESS_POLL`` seconds, and only while there are entries (a request
+    pays a dict insert and delete, no timer of its own)."""
 
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[Live, Callable[[], object]]] = {}
+        self._count = 0
+        self._task: asyncio.Task[None] | None = None
 
-async def _unless_left(live: Live | None, work: Awaitable[T]) -> T:
-    """``await work``, unless ``live()`` turns false first: then ``work`` is cancelled and
-    ``_OwnerLeft`` raised. Cancelling the caller cancels ``work`` too."""
-    if live is None:
-        return await work
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=LIVENESS_POLL)
-            if done:
-                return task.result()
-            if not live():
-                raise _OwnerLeft
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+    @contextlib.contextmanager
+    def watching(self, live: Live | None, on_left: Callable[[], object]) -> Iterator[None]:
+        if live is None:
+            yield
+            return
+        self._count += 1
+        key = self._count
+        self._entries[key] = (live, on_left)
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+        try:
+            yield
+        finally:
+            self._entries.pop(key, None)
 
-
-@contextlib.asynccontextmanager
-async def _watching(live: Live | None, on_left: Callable[[], object]) -> AsyncIterator[None]:
-    """Within the block, ``on_left()`` is called once if ``live()`` turns false."""
-    if live is None:
-        yield
-        return
-
-    async def watch() -> None:
-        while live():
+    async def _run(self) -> None:
+        while self._entries:
             await asyncio.sleep(LIVENESS_POLL)
-        on_left()
-    watcher = asyncio.ensure_future(watch())
-    try:
-        yield
-    finally:
-        watcher.cancel()
-        await asyncio.gather(watcher, return_exceptions=True)
+            for key, (live, on_left) in list(self._entries.items()):
+                if key in self._entries and not live():
+                    del self._entries[key]
+                    try:
+                        on_left()
+                    except Exception:  # one entry's failure must not stop the others'
+                        log.exception("ending a forward to an owner that left")
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
 
 
 class Forwarder:
@@ -104,6 +102,7 @@ class Forwarder:
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout,
                                               sock_read=read_timeout)
         self._session: aiohttp.ClientSession | None = None
+        self._watchdog = _Watchdog()
         self.forwarded = 0
 
     def session(self) -> aiohttp.ClientSession:
@@ -116,6 +115,7 @@ class Forwarder:
         return self._session
 
     async def aclose(self) -> None:
+        await self._watchdog.aclose()
         if self._session is not None:
             await self._session.close()
 
@@ -133,22 +133,27 @@ class Forwarder:
         if request.body_exists:
             await send_continue(request)
         body = request.content if request.body_exists else None
+        left = asyncio.timeout(None)  # expired at once by the watchdog if the owner leaves
         try:
-            upstream = await _unless_left(live, self.session().request(
-                request.method, url, headers=headers, data=body, allow_redirects=False,
-                compress=None))
-        except _OwnerLeft as exc:
-            raise UpstreamTimeout(f"the owner {host} ({address}) left the fleet before it "
-                                  "answered; the request may have run there") from exc
+            async with left:
+                with self._watchdog.watching(live, lambda: left.reschedule(-1)):
+                    upstream = await self.session().request(
+                        request.method, url, headers=headers, data=body,
+                        allow_redirects=False, compress=None)
         except aiohttp.ServerTimeoutError as exc:
             raise UpstreamTimeout(f"the owner {host} ({address}) did not answer in "
                                   "time") from exc
         except aiohttp.ClientError as exc:
             raise OwnerUnavailable(f"cannot forward to the owner {host} ({address}): "
                                    f"{exc}") from exc
+        except TimeoutError as exc:
+            if not left.expired():
+                raise
+            raise UpstreamTimeout(f"the owner {host} ({address}) left the fleet before it "
+                                  "answered; the request may have run there") from exc
         try:
             # Closing the upstream makes relay() cut the client's connection.
-            async with _watching(live, upstream.close):
+            with self._watchdog.watching(live, upstream.close):
                 return await relay(request, upstream, f"forward to {host}")
         finally:
             upstream.release()
@@ -176,7 +181,7 @@ class Forwarder:
                 timeout=WS_CLOSE_TIMEOUT)
             await down.prepare(request)
             closing: list[asyncio.Task[bool]] = []
-            async with _watching(live, lambda: closing.append(asyncio.ensure_future(
+            with self._watchdog.watching(live, lambda: closing.append(asyncio.ensure_future(
                     down.close(code=aiohttp.WSCloseCode.GOING_AWAY,
                                message=b"the sandbox's owner left the fleet")))):
                 await splice(down, upstream)

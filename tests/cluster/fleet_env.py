@@ -204,6 +204,8 @@ class Fleet:
     size: int = 3
     ttl: int = 2
     hosts: list[Host] = field(default_factory=list)
+    # Extra config, merged into each host's per section (e.g. {"tenancy": {"rate": ...}}).
+    overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     admin_key: str = ""
     objstore_endpoint: str = ""
     _clients: list[NsClient] = field(default_factory=list)
@@ -271,6 +273,8 @@ class Fleet:
             "objstore_endpoint": self.objstore_endpoint, "objstore_bucket": BUCKET,
             "objstore_access_key": CREDS.access_key,
             "objstore_secret_key": CREDS.secret_key}
+        for section, values in self.overrides.items():
+            base.setdefault(section, {}).update(values)
         return base
 
     def _write_config(self, host: Host) -> None:
@@ -492,10 +496,10 @@ def skip_reason() -> str | None:
 
 
 @contextlib.contextmanager
-def running_fleet(etcd: EtcdCluster, base_dir: Path, size: int = 3,
-                  ttl: int = 2) -> Iterator[Fleet]:
+def running_fleet(etcd: EtcdCluster, base_dir: Path, size: int = 3, ttl: int = 2,
+                  overrides: dict[str, dict[str, Any]] | None = None) -> Iterator[Fleet]:
     """A started fleet; at the end everything is removed and nothing may be left."""
-    fleet = Fleet(etcd, base_dir, size=size, ttl=ttl)
+    fleet = Fleet(etcd, base_dir, size=size, ttl=ttl, overrides=overrides or {})
     ok = False
     try:
         took = fleet.start()
