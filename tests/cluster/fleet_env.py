@@ -11,7 +11,12 @@ Layout (``{p}`` is the etcd cluster's per-run prefix):
 
 Each daemon has its own data dir, config, network pool and ``[network] netns_prefix``
 (``{p}{host}-``), shares the read-only images dir, has no warm pool, and runs with
-``[cluster]`` on (TTL 2 s by default) and the object store configured.
+``[cluster]`` on (TTL 2 s by default) and the object store configured. What two daemons
+on one kernel could otherwise share: sandbox namespaces (the prefix), host-side veth
+names and VMM uids (both derive from the slot's address: a pool per host), cgroups (per
+data dir already), QEMU's short socket names under /run/agentbox (they carry a digest of
+the VM's workdir, vmctl/drivers/qemu.py), and nothing else found
+(a grep of gateway/ and vmctl/ for /run, /var/run and /tmp).
 
 Why ``nsenter --net`` and not ``ip netns exec``: the latter also unshares the mount
 namespace (a slave of the host's), so every sandbox namespace the daemon then makes with
