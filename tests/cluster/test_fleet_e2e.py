@@ -220,7 +220,7 @@ def test_requests_through_a_non_owner_survive_the_etcd_leader_dying(fleet: Fleet
         killed = time.monotonic()
         print(f"\n[fleet] killed etcd leader {leader.name} "
               f"(in {next(h.name for h in fleet.hosts if h.member is leader)}'s namespace)")
-        time.sleep(10)
+        time.sleep(12)
     finally:
         stop.set()
         thread.join(60)
@@ -237,13 +237,16 @@ def test_requests_through_a_non_owner_survive_the_etcd_leader_dying(fleet: Fleet
           f"the last sent {last_failure:.2f} s after the kill; longest gap between two "
           f"successful requests {gap:.2f} s")
     assert results and results[-1][2] == 200, results[-5:]
-    assert last_failure < 8, failed  # then every request succeeded again
+    assert last_failure < 10, failed  # then every request succeeded again
 
     lines = execute(api, sid, "cat /root/requests")["stdout"].split()
     counts = {int(x): lines.count(x) for x in set(lines)}
     assert all(c == 1 for c in counts.values()), "a request ran twice"
     ok = {n for n, _, s, _ in results if s == 200}
     assert ok <= set(counts), f"answered 200 but never ran: {ok - set(counts)}"
+    refused = {n for n, _, s, c in results if s == 503 and c in ("host_fenced",
+                                                                   "owner_unavailable")}
+    assert not refused & set(counts), "a request refused with 503 ran anyway"
     ran_unanswered = set(counts) - ok
     print(f"[fleet] every one of {len(ok)} successful requests ran exactly once; "
           f"{len(ran_unanswered)} ran without a 200 answer")
