@@ -15,6 +15,8 @@ node also refuses creates (``POST /v1/sandboxes``): it could not publish their r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from aiohttp import web
 
 from gateway.cluster import routing
@@ -66,8 +68,9 @@ async def cluster_middleware(request: web.Request, handler: Handler) -> web.Stre
                               forwarded_by=forwarded_by, fenced=node.fenced)
     try:
         if isinstance(decision, routing.Forward):
-            return await request.app[FORWARDER_KEY].forward(request, decision.host,
-                                                            decision.address)
+            return await request.app[FORWARDER_KEY].forward(
+                request, decision.host, decision.address,
+                live=_still_owner(node, sandbox_id, decision.host))
         if isinstance(decision, routing.Refuse):
             raise _REFUSALS[decision.code](decision.message)
     except ApiError as exc:
@@ -78,6 +81,15 @@ async def cluster_middleware(request: web.Request, handler: Handler) -> web.Stre
                                request.headers.get("X-Forwarded-For", ""),
                                node.routes.addresses())
     return await handler(request.clone(remote=client) if client else request)
+
+
+def _still_owner(node: ClusterNode, sandbox_id: str, host: str) -> Callable[[], bool]:
+    """Whether the route cache still names ``host``, live, as the sandbox's owner (what
+    is in flight to it is ended when not: gateway.preview.forward)."""
+    def live() -> bool:
+        route = node.routes.route(sandbox_id)
+        return route is not None and route.live and route.host == host
+    return live
 
 
 async def _create(request: web.Request, handler: Handler, node: ClusterNode

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.etcd_env import EtcdCluster, sweep_stale_namespaces
+from tests.cluster.fleet_env import Fleet, running_fleet
+from tests.cluster.fleet_env import skip_reason as fleet_skip_reason
 
 
 def _skip_reason() -> str | None:
@@ -31,5 +33,21 @@ def etcd3(tmp_path: Path) -> Iterator[EtcdCluster]:
     try:
         cluster.start()
         yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    """Three real daemons (tests/cluster/fleet_env.py) on a fresh etcd and SeaweedFS."""
+    reason = fleet_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    sweep_stale_namespaces()
+    cluster = EtcdCluster(tmp_path / "etcd")
+    try:
+        cluster.start()
+        with running_fleet(cluster, tmp_path / "fleet") as f:
+            yield f
     finally:
         cluster.close()

