@@ -22,7 +22,7 @@ from aiohttp import web
 from gateway.cluster import routing
 from gateway.cluster.config import ClusterConfig
 from gateway.cluster.node import ClusterNode
-from gateway.errors import ApiError, ForwardLoop, HostFenced, OwnerUnavailable
+from gateway.errors import ApiError, ForwardLoop, HostFenced, OwnerUnavailable, SandboxMoved
 from gateway.http.middleware import Handler
 from gateway.preview import hosts, sessions
 from gateway.preview.forward import Forwarder
@@ -80,7 +80,24 @@ async def cluster_middleware(request: web.Request, handler: Handler) -> web.Stre
     client = routing.client_of(forwarded_by, request.remote,
                                request.headers.get("X-Forwarded-For", ""),
                                node.routes.addresses())
-    return await handler(request.clone(remote=client) if client else request)
+    served = request.clone(remote=client) if client else request
+    try:
+        return await handler(served)
+    except SandboxMoved as moved:
+        # Held through a drain's move (or its route not yet seen here): the new owner
+        # serves it. Only requests that never reached the guest end here.
+        return await _to_new_owner(served, node, moved, on_host)
+
+
+async def _to_new_owner(request: web.Request, node: ClusterNode, moved: SandboxMoved,
+                        on_host: bool) -> web.StreamResponse:
+    owner = node.routes.table.hosts.get(moved.host)
+    if owner is None or request.headers.get(routing.HOP_HEADER) is not None:
+        if on_host:  # no live record for it, or already forwarded once: the client retries
+            return hosts.error_page(request, moved.status, moved.code, str(moved),
+                                    moved.headers)
+        raise moved
+    return await request.app[FORWARDER_KEY].forward(request, owner.name, owner.address)
 
 
 def _still_owner(node: ClusterNode, sandbox_id: str, host: str) -> Callable[[], bool]:

@@ -132,7 +132,10 @@ class Forwarder:
             headers["Content-Length"] = str(request.content_length)
         if request.body_exists:
             await send_continue(request)
-        body = request.content if request.body_exists else None
+        # A handler that read the body before the request was sent on (a sandbox that moved
+        # while it waited: gateway/http/cluster_forward.py) left it in aiohttp's cache.
+        read = getattr(request, "_read_bytes", None)
+        body = read if read is not None else (request.content if request.body_exists else None)
         left = asyncio.timeout(None)  # expired at once by the watchdog if the owner leaves
         try:
             async with left:

@@ -47,6 +47,10 @@ MOVED_FIELDS = ("id", "tenant", "template", "golden", "idle_timeout", "created_a
                 "expires_at", "auto_delete_after", "egress", "vcpus", "memory_mib", "disk_mib")
 
 
+class ArrivalFailed(Exception):
+    """The destination answered that the sandbox did not start there (and is torn down)."""
+
+
 class Peer(Protocol):
     """The destination host, as the source reaches it (gateway/cluster/drain.py)."""
 
@@ -54,7 +58,7 @@ class Peer(Protocol):
         """The offer (``migrate.Offer.to_dict``)."""
 
     async def commit(self, sandbox_id: str) -> None:
-        """Returns once the guest runs there. Raises ``MigrationError`` when the
+        """Returns once the guest runs there. Raises ``ArrivalFailed`` when the
         destination answered that it failed (and is torn down); anything else: no answer."""
 
     async def abort(self, sandbox_id: str) -> bool:
@@ -79,8 +83,8 @@ async def move_out(ctl: SandboxController, host: str, peer: Peer,
         try:
             await peer.commit(ctl.id)
             return
-        except MigrationError:
-            raise  # the destination failed and is torn down: resume here
+        except ArrivalFailed as exc:  # the destination failed and is torn down: resume here
+            raise MigrationError(str(exc)) from exc
         except BaseException as exc:
             lost = exc
         try:  # the answer was lost: did its guest start?
@@ -169,9 +173,9 @@ class Arrivals:
             await incoming.commit()  # tears the VM down itself if it fails
         except BaseException as exc:
             await asyncio.shield(self._discard(ctl, f"arrival failed: {exc}"))
-            if isinstance(exc, MigrationError):
-                raise
-            raise MigrationError(f"the sandbox did not start here: {exc}") from exc
+            if isinstance(exc, Exception):
+                raise ArrivalFailed(f"the sandbox did not start here: {exc}") from exc
+            raise
         ctl.arrived()
         log.info("sandbox %s arrived and runs here", sandbox_id)
 
