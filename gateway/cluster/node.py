@@ -116,6 +116,11 @@ class ClusterNode:
         return place(hosts, self.config.host, self.create_request,
                      k=self.config.placement_choices, rng=self.rng)
 
+    @property
+    def draining(self) -> bool:
+        """This host is marked draining (``agentbox-server drain``)."""
+        return self.config.host in self.routes.table.draining
+
     def start_drainer(self, local: Callable[[], list[tuple[str, State]]], move: Any,
                       admin_key: Callable[[], str]) -> None:
         """Drain this host whenever it is marked (gateway/cluster/drain.py); stopped with

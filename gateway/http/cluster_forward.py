@@ -22,7 +22,8 @@ from aiohttp import web
 from gateway.cluster import routing
 from gateway.cluster.config import ClusterConfig
 from gateway.cluster.node import ClusterNode
-from gateway.errors import ApiError, ForwardLoop, HostFenced, OwnerUnavailable, SandboxMoved
+from gateway.errors import (ApiError, ForwardLoop, HostFenced, OwnerUnavailable, SandboxMoved,
+                            Unavailable)
 from gateway.http.middleware import Handler
 from gateway.preview import hosts, sessions
 from gateway.preview.forward import Forwarder
@@ -91,9 +92,11 @@ async def cluster_middleware(request: web.Request, handler: Handler) -> web.Stre
 
 async def _to_new_owner(request: web.Request, node: ClusterNode, moved: SandboxMoved,
                         on_host: bool) -> web.StreamResponse:
+    # Sent on even when another host forwarded it here: it was meant for the owner, and the
+    # owner moved (each move sends it on at most once more).
     owner = node.routes.table.hosts.get(moved.host)
-    if owner is None or request.headers.get(routing.HOP_HEADER) is not None:
-        if on_host:  # no live record for it, or already forwarded once: the client retries
+    if owner is None or owner.name == node.config.host:
+        if on_host:  # the new owner has no live record: the client retries
             return hosts.error_page(request, moved.status, moved.code, str(moved),
                                     moved.headers)
         raise moved
@@ -101,11 +104,14 @@ async def _to_new_owner(request: web.Request, node: ClusterNode, moved: SandboxM
 
 
 def _still_owner(node: ClusterNode, sandbox_id: str, host: str) -> Callable[[], bool]:
-    """Whether the route cache still names ``host``, live, as the sandbox's owner (what
-    is in flight to it is ended when not: gateway.preview.forward)."""
+    """Whether ``host`` is still live in the fleet (what is in flight to it is ended when
+    not: gateway.preview.forward). Not whether it still owns the sandbox: a drain moves the
+    record while the old owner still holds requests, which it then sends on to the new one."""
     def live() -> bool:
         route = node.routes.route(sandbox_id)
-        return route is not None and route.live and route.host == host
+        if route is not None and route.host == host:
+            return route.live
+        return node.routes.host_live(host)  # moved away (a drain): the old owner sends it on
     return live
 
 
@@ -116,11 +122,14 @@ async def _create(request: web.Request, handler: Handler, node: ClusterNode
     if node.fenced is not None:
         raise HostFenced(f"host {node.config.host} is fenced ({node.fenced}): it "
                          "creates no sandboxes until it rejoins the fleet")
-    if request.headers.get(routing.HOP_HEADER) is None:
+    if request.headers.get(routing.HOP_HEADER) is None or node.draining:
         decision = node.place_create()
         if isinstance(decision, routing.Forward):
             return await request.app[FORWARDER_KEY].forward(request, decision.host,
                                                             decision.address)
+        if node.draining:  # placement never chooses a draining host, not even itself
+            raise Unavailable(f"host {node.config.host} is being drained and no other host "
+                              "can take a sandbox now: retry", headers={"Retry-After": "5"})
     return await handler(request)
 
 

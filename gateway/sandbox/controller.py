@@ -31,7 +31,7 @@ from typing import Any
 from gateway.sandbox import core as c
 from gateway.sandbox.core import Policy, RestoreFailed, VMLost, WakeTimeout
 from gateway.sandbox.machine_port import MachinePort
-from gateway.errors import ApiError, SandboxNotFound, Unavailable
+from gateway.errors import ApiError, SandboxMoved, SandboxNotFound, Unavailable
 from gateway.sandbox.states import State
 from gateway.sandbox.metrics import Metrics
 from gateway.store.registry import Registry, SandboxRecord
@@ -278,6 +278,8 @@ class SandboxController:
 
     def _rejection(self, error: ApiError) -> ApiError:
         self.metrics.events[{"hold_queue_full": "hold_rejected"}.get(error.code, error.code)] += 1
+        if isinstance(error, SandboxMoved):
+            return SandboxMoved(self.id, error.host)
         return SandboxNotFound(self.id) if isinstance(error, SandboxNotFound) else error
 
     async def _hold(self, hold: c.Hold) -> None:

@@ -33,6 +33,9 @@ class FakeRoutes:
 
     fleet: set[str] = field(default_factory=set)  # more live hosts' IPs
 
+    def host_live(self, name: str) -> bool:
+        return any(r.host == name and r.address for r in self.table.values())
+
 
 @dataclass
 class FakeNode:
@@ -42,6 +45,7 @@ class FakeNode:
     routes: Any = field(default_factory=FakeRoutes)
     fenced: str | None = None
     placed: Any = None  # what place_create answers (None: serve here)
+    draining: bool = False
 
     @property
     def config(self) -> Any:
