@@ -48,10 +48,6 @@ __all__ = ["HoldCounter", "Lease", "RestoreFailed", "SandboxController", "VMLost
            "WakePolicy", "WakeTimeout"]
 
 
-async def _nothing_to_move() -> None:
-    raise RuntimeError("no migration was asked for")
-
-
 class HoldCounter:
     """Requests held across all sandboxes (the global bound)."""
 
@@ -111,7 +107,7 @@ class SandboxController:
         self._watch: ExitWatch | None = None
         self._last_activity: float | None = None  # wall clock of the last request's end
         self.streams = 0  # open WebSockets / streamed responses (for metrics and tests)
-        self._move: tuple[str, Callable[[], Awaitable[None]]] = ("", _nothing_to_move)
+        self._move: tuple[str, Callable[[], Awaitable[None]], asyncio.Future[None]] | None = None
         machine.on_vmm_started = self._vmm_started
 
     def __repr__(self) -> str:
@@ -326,17 +322,19 @@ class SandboxController:
         assert self._op is not None
         return self._op
 
-    def start_migrate(self, host: str, move: Callable[[], Awaitable[None]]) -> asyncio.Task:
+    def start_migrate(self, host: str, move: Callable[[], Awaitable[None]]) -> asyncio.Future:
         """Begin moving the running sandbox to ``host`` (a drain): ``move()`` does it
         (``gateway.sandbox.migration``) and returns once the guest runs there, or raises
-        with the VM running here again. New requests are held meanwhile. Returns the
-        operation's task (it raises what ``move`` raised)."""
-        self._move = (host, move)
+        with the VM running here again. New requests are held meanwhile. Returns a future
+        of the move's outcome (it raises what ``move`` raised; the held requests do not
+        see that error: they are admitted, or sent on to the new owner)."""
+        outcome: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._move = (host, move, outcome)
         for cmd in self._run(self.core.handle(c.MigrateRequested(host))):
             if isinstance(cmd, c.Reject):
                 raise cmd.error
         assert self._op is not None
-        return self._op
+        return outcome
 
     def arrived(self) -> None:
         """The destination's side: the VM moved here runs (``gateway.sandbox.migration``):
@@ -477,7 +475,8 @@ class SandboxController:
             self._end_op()
 
     async def _migrate_op(self) -> None:
-        host, move = self._move
+        assert self._move is not None
+        host, move, outcome = self._move
         try:
             self._stop_watch()  # once moved, this VMM exits on purpose
             try:
@@ -491,12 +490,20 @@ class SandboxController:
                         self._start_watch(vmm["pid"])
                 self.metrics.events["migrate_failed"] += 1
                 self._run(self.core.handle(c.MigrateFailed(str(exc) or repr(exc), alive)))
-                raise
+                if not outcome.done():
+                    outcome.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+                return
             self.metrics.events["migrate"] += 1
             self._run(self.core.handle(c.MigrateFinished(host)))
             with contextlib.suppress(Exception):
                 await asyncio.shield(self.machine.destroy())  # its namespace and files
+            if not outcome.done():
+                outcome.set_result(None)
         finally:
+            if not outcome.done():
+                outcome.cancel()
             self._end_op()
 
     async def _resume_after_failed_suspend(self) -> bool:

@@ -84,3 +84,67 @@ def test_drain_moves_a_running_sandbox_and_loses_no_request(fleet: Fleet) -> Non
                     sys.executable, "-m", "gateway.cli", "drain", "h0", "--undo", "--config",
                     str(h0.config_path)], cwd=REPO, check=True, capture_output=True, timeout=60)
     assert fleet.client("h1").delete(f"/v1/sandboxes/{sid}").status_code == 204
+
+
+def test_a_destination_that_dies_mid_move_leaves_the_sandbox_running_and_the_drain_goes_on(
+        fleet: Fleet) -> None:
+    """The destination host loses power while the sandbox streams to it: the sandbox runs
+    on at h0 (held requests admitted, none lost), the next pass moves it to the surviving
+    host, and the dead host's half-made arrival is gone once it restarts."""
+    from gateway.cluster import drain
+    from gateway.cluster.etcd import EtcdClient
+    from gateway.cluster.keys import Keys
+
+    h0 = fleet.host("h0")
+    sid = fleet.create_on(h0)
+    pid = run(fleet, "h0", sid, "setsid sleep 100000 >/dev/null 2>&1 & echo $!").strip()
+    answers: list[tuple[int, str]] = []
+    stop = threading.Event()
+
+    def ask() -> None:  # straight to h0: forwarded once the sandbox has moved
+        client = fleet.client("h0", timeout=120)
+        while not stop.is_set():
+            r = client.post(f"/v1/sandboxes/{sid}/execute", json={"command": "echo ok"})
+            answers.append((r.status_code, r.text[:200]))
+    asker = threading.Thread(target=ask)
+    asker.start()
+
+    async def mark(on: bool) -> None:
+        client = EtcdClient(fleet.etcd.endpoints)
+        try:
+            await drain.mark(client, Keys(f"/{fleet.prefix}"), "h0", draining=on)
+        finally:
+            await client.aclose()
+    victim: list = []
+    try:
+        fleet.loop.run(mark(True), timeout=30)
+
+        def incoming() -> bool:
+            victim.extend(h for h in fleet.hosts[1:] if fleet.vmm_pids(h))
+            return bool(victim)
+        fleet.wait_for(incoming, 120, "an arrival's VMM on h1 or h2", every=0.01)
+        dead = victim[0]
+        killed = fleet.kill(dead)
+        survivor = next(h for h in fleet.hosts[1:] if h is not dead)
+        fleet.wait_for(lambda: fleet.record(sid).host == survivor.name, 180,
+                       f"{sid} moved to {survivor.name}")
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        asker.join(timeout=180)
+        if victim and not victim[0].alive():  # whatever failed: it comes back (clean-up)
+            fleet.restart(victim[0])
+    print(f"\n[drain] {dead.name} killed mid-move (VMMs {killed}); moved to "
+          f"{survivor.name}; {len(answers)} requests to h0")
+    assert killed, "the arrival's VMM was not running when its host died"
+    failed = [a for a in answers if a[0] != 200]
+    assert not failed, failed[:5]
+    assert run(fleet, survivor.name, sid, f"kill -0 {pid} && echo alive").strip() == "alive"
+    assert fleet.vmm_pids(h0) == []
+
+    # The dead host came back: its half-made arrival is discarded, no VMM or namespace left.
+    assert fleet.vmm_pids(dead) == []
+    r = fleet.client(dead).get(f"/v1/sandboxes/{sid}")
+    assert r.status_code == 200 and r.json()["id"] == sid  # forwarded to the survivor
+    fleet.loop.run(mark(False), timeout=30)
+    assert fleet.client("h0").delete(f"/v1/sandboxes/{sid}").status_code == 204
