@@ -36,6 +36,7 @@ from gateway.sandbox.states import State
 from gateway.sandbox.metrics import Metrics
 from gateway.store.registry import Registry, SandboxRecord
 from gateway.sandbox.slots import Slots
+from vmctl.errors import OutcomeUnknown
 from vmctl.machine import RestoreError
 from vmctl.watch import ExitWatch
 
@@ -482,6 +483,12 @@ class SandboxController:
             try:
                 await move()
             except BaseException as exc:
+                if isinstance(exc, OutcomeUnknown):
+                    # The other host may run the guest: this copy must never run again.
+                    # FAILED here; a request cold-boots its disk (docs/cluster.md, Drain:
+                    # an operator should check the destination first).
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(self.machine.stop_vmm())
                 driver = self.machine.driver
                 alive = driver is not None and driver.alive()
                 if alive:
