@@ -8,7 +8,7 @@ DATA_DIR ?=
 SERVE_ARGS := --config $(CONFIG) $(if $(LISTEN),--listen $(LISTEN)) $(if $(DATA_DIR),--data-dir $(DATA_DIR))
 PYTEST_ARGS ?=
 
-.PHONY: setup host-packages venv images test-images run test test-unit test-e2e test-cluster \
+.PHONY: setup host-packages venv images test-images run test test-unit test-e2e test-cluster test-fleet \
         test-firecracker \
         kernel-firecracker bench chaos lint clean
 
@@ -54,9 +54,15 @@ test-unit: setup
 test-e2e: setup test-images
 	$(BIN)/python -m pytest tests/e2e $(PYTEST_ARGS)
 
-# The cluster foundation against a real 3-member etcd in network namespaces (docs/cluster.md).
+# The cluster foundation against a real 3-member etcd in network namespaces (docs/cluster.md);
+# its fleet tests (real daemons and VMs, one per host namespace) skip without the goldens.
 test-cluster: setup
-	$(BIN)/python -m pytest tests/cluster -s $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/cluster -s -rs $(PYTEST_ARGS)
+
+# Only the fleet of real daemons (tests/cluster/fleet_env.py), images built first (~2.5 min).
+test-fleet: setup test-images
+	$(BIN)/python -m pytest tests/cluster/test_fleet_smoke.py tests/cluster/test_fleet_e2e.py \
+	    -s -rs $(PYTEST_ARGS)
 
 # Opt-in: compiles a Firecracker-ready vmlinux from Debian's linux-source (minutes).
 kernel-firecracker: setup

@@ -1,4 +1,4 @@
-"""``agentbox-server``: the daemon's command line (``serve``, ``keys``, ``images``).
+"""``agentbox-server``: the daemon's command line (``serve``, ``keys``, ``images``, ``drain``).
 
 The client commands (``agentbox create|ls|exec|...``) live in the SDK's own
 distribution (``sdk/python``, ``agentbox.cli``); this module imports nothing
@@ -57,6 +57,16 @@ def _server_commands(sub: argparse._SubParsersAction) -> None:
                          "daemon sharing the images dir; default: the config's)")
     gc.add_argument("--apply", action="store_true", help="really delete")
     images.set_defaults(func=_cmd_images)
+
+    drain = sub.add_parser("drain", help="move every running sandbox off a fleet host by live "
+                                         "migration; placement skips it from now on")
+    drain.add_argument("host", help="the host's [cluster] host name")
+    drain.add_argument("--config", type=Path, help="a config with the fleet's [cluster]")
+    drain.add_argument("--undo", action="store_true", help="unmark: the host takes sandboxes "
+                                                           "again")
+    drain.add_argument("--wait", type=float, default=600.0, metavar="SECONDS",
+                       help="wait until no running sandbox is left on it (0: mark and exit)")
+    drain.set_defaults(func=_cmd_drain)
 
 
 def _load_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -173,6 +183,48 @@ async def _build_goldens(config, images) -> None:  # type: ignore[no-untyped-def
         golden = await ensure_golden(image, backend, progress=lambda m: print(m, flush=True),
                                      build_slot=i)
         print(f"golden[{image.name}]: {golden.dir}", flush=True)
+
+
+def _cmd_drain(args: argparse.Namespace) -> int:
+    config = _load_config(args).cluster
+    if not config.enabled:
+        print("drain needs a config with [cluster] enabled (the fleet's etcd endpoints)",
+              file=sys.stderr)
+        return 2
+    return asyncio.run(_drain(config, args.host, args.undo, args.wait))
+
+
+async def _drain(config, host: str, undo: bool, wait: float) -> int:  # type: ignore[no-untyped-def]
+    import time
+
+    from gateway.cluster import drain
+    from gateway.cluster.etcd import EtcdClient
+    from gateway.cluster.ownership import Ownership
+    from gateway.sandbox.states import State
+
+    client = EtcdClient(config.endpoints, timeout=config.timeout)
+    try:
+        await drain.mark(client, config.keys, host, draining=not undo)
+        print(f"{host}: {'unmarked' if undo else 'marked draining'}")
+        if undo or wait <= 0:
+            return 0
+        ownership, deadline = Ownership(client, config.keys), time.monotonic() + wait
+        while True:
+            _, records = await ownership.list()
+            mine = [v.record for v in records.values() if v.record.host == host]
+            running = [r.id for r in mine if r.state is State.RUNNING]
+            if not running:
+                others = len([r for r in mine if r.state is not State.DESTROYED])
+                print(f"{host}: no running sandbox left ({others} other record(s) still "
+                      "name it: suspended ones are not moved by a drain yet)")
+                return 0
+            if time.monotonic() > deadline:
+                print(f"{host}: {len(running)} running sandbox(es) still there after "
+                      f"{wait:g}s: {', '.join(running[:20])}", file=sys.stderr)
+                return 1
+            await asyncio.sleep(1.0)
+    finally:
+        await client.aclose()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -65,6 +65,17 @@ class OwnerUnavailable(Unavailable):
     code = "owner_unavailable"
 
 
+class SandboxMoved(OwnerUnavailable):
+    """The sandbox was moved to another host (a drain) while this request waited for it:
+    the routing middleware forwards the request to ``host``; a client only sees this (503,
+    retry) where no forwarding is possible."""
+
+    def __init__(self, sandbox_id: str, host: str) -> None:
+        super().__init__(f"sandbox {sandbox_id!r} moved to host {host!r}; retry",
+                         headers={"Retry-After": "1"})
+        self.host = host
+
+
 class ForwardLoop(ApiError):
     """A forwarded request would be forwarded again: the hosts' route caches disagree."""
 

@@ -60,9 +60,20 @@ async def _run(*argv: str) -> None:
         raise DiskError(f"{argv[0]} failed: {err.decode(errors='replace').strip()}")
 
 
-async def create_overlay(path: Path, backing: Path, backing_format: str = "qcow2") -> None:
+async def create_overlay(path: Path, backing: Path, backing_format: str = "qcow2",
+                         size_bytes: int = 0) -> None:
+    """A qcow2 layer over ``backing``, of the backing's virtual size or ``size_bytes``."""
     await _run("qemu-img", "create", "-q", "-f", "qcow2", "-F", backing_format,
-               "-b", str(backing.resolve()), str(path))
+               "-b", str(backing.resolve()), str(path), *([str(size_bytes)] if size_bytes else []))
+
+
+def qcow2_virtual_size(path: Path) -> int:
+    """The virtual size in a qcow2 header (``block_resize`` keeps it current)."""
+    with open(path, "rb") as f:
+        header = f.read(32)
+    if len(header) < 32 or header[:4] != b"QFI\xfb":
+        raise DiskError(f"{path.name} is not a qcow2 image")
+    return int.from_bytes(header[24:32], "big")
 
 
 async def copy_sparse(src: Path, dest: Path) -> None:

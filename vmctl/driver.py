@@ -24,16 +24,35 @@ import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from vmctl.errors import VMGoneError, VMStartError
+from vmctl.errors import MigrationError, VMGoneError, VMStartError
 from vmctl.spec import Accel, SnapshotFiles, VMMRecord, VMSpec
 
 log = logging.getLogger(__name__)
 
 # What a restore loads, once it is ready: called (once) when the VMM is up and waiting.
 SnapshotSource = Callable[[], Awaitable[SnapshotFiles]]
+
+# Opens the stream for one channel ("disk", "ram") of a live migration to its destination.
+Connect = Callable[[str], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+
+
+@dataclass(frozen=True)
+class LiveStats:
+    """What one live migration out took (``Machine.migrate_out`` fills in the last two)."""
+
+    mirror_ms: float  # start to the disk mirror in sync
+    send_ms: float  # start to the source stopped with everything sent
+    downtime_ms: float  # QEMU's own figure for the source's stop
+    stopped_at: float | None  # wall clock of the source's STOP (QMP event)
+    ram_bytes: int  # migration stream bytes sent
+    disk_bytes: int  # the mirror's progress when it was in sync
+    live: bool  # RAM was copied while the guest ran (else: stopped, then copied)
+    total_ms: float = 0.0  # start to the destination's guest running
+    paused_ms: float | None = None  # the source's STOP to the destination's guest running
 
 
 class Driver(abc.ABC):
@@ -107,6 +126,21 @@ class Driver(abc.ABC):
         """Grow the VM's disk to ``size_bytes`` while it runs, telling the guest."""
         from vmctl.disks import DiskError
         raise DiskError(f"{self.name}: growing a running VM's disk is not supported")
+
+    # Live migration: QEMU only (vmctl/drivers/qemu.py says how).
+
+    async def listen_incoming(self, spec: VMSpec) -> dict[str, Path]:
+        raise MigrationError(f"{self.name}: live migration is not supported")
+
+    async def finish_incoming(self, before_resume: Callable[[], None], timeout: float) -> None:
+        raise MigrationError(f"{self.name}: live migration is not supported")
+
+    async def send_live(self, connect: Connect, timeout: float,
+                        live: bool | None = None) -> LiveStats:
+        raise MigrationError(f"{self.name}: live migration is not supported")
+
+    async def resume_after_send(self) -> None:
+        raise MigrationError(f"{self.name}: live migration is not supported")
 
     async def destroy(self) -> None:
         """Stop the VMM for good. Idempotent, safe under cancellation."""

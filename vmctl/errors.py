@@ -78,3 +78,16 @@ class GuestReplyTimeout(VMTimeoutError, TimeoutError):
     callers that retry on timeouts (readiness polls) keep doing so."""
 
     code = "agent_timeout"
+
+
+class MigrationError(VmctlError):
+    """A live migration failed or was refused. The source VM is left running as it was
+    and the destination torn down, unless ``OutcomeUnknown`` says otherwise. (Its code is
+    the generic ``vm_error``: a drain is an operator's action, no API client sees it.)"""
+
+    status = 502
+
+
+class OutcomeUnknown(MigrationError):
+    """The destination may have started the guest (its answer was lost): the source VM
+    stays paused, so that one sandbox never runs on two hosts."""

@@ -38,13 +38,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from guest.protocol import InitRequest
-from vmctl import disk_grow, faults, memdiff, network, ramspare, store
+from vmctl import disk_grow, disks, faults, memdiff, network, ramspare, store
 from vmctl.agent_client import AgentClient
 from vmctl.disks import copy_sparse
 from vmctl.backend import Backend
-from vmctl.driver import Driver, SnapshotSource, kill_pid, pid_alive
+from vmctl.driver import Connect, Driver, LiveStats, SnapshotSource, kill_pid, pid_alive
 from vmctl.egress import EgressPolicy
-from vmctl.errors import SnapshotError, VMGoneError, VmctlError
+from vmctl.errors import (MigrationError, OutcomeUnknown, SnapshotError, VMGoneError,
+                          VmctlError)
 from vmctl.golden import Golden
 from vmctl.network import NetSlot
 from vmctl.spec import SnapshotFiles, VMMRecord, VMSpec
@@ -446,6 +447,81 @@ class Machine:
                                    vmm_died=died) from exc
             raise
         return (time.monotonic() - started) * 1000
+
+    # -- live migration (vmctl.migrate carries the streams between hosts) ---------------
+
+    def disk_bytes(self) -> int:
+        """The guest disk's virtual size (a destination's disk must be made the same)."""
+        return disks.qcow2_virtual_size(self.backend.layout.disk(self.plan.root))
+
+    async def receive(self, disk_bytes: int) -> dict[str, Path]:
+        """Be the destination of a live migration: a disk of ``disk_bytes`` over the same
+        golden (the source mirrors its own layer onto it), this plan's network slot, and a
+        VMM of the same shape waiting, guest held. Returns the Unix sockets the VMM listens
+        on, by channel ("disk": NBD, "ram": the migration stream), for the daemon alone to
+        connect to. A failure or cancellation leaves nothing (``destroy``)."""
+        root, layout = self.plan.root, self.backend.layout
+        if not isinstance(layout, disks.QemuLayout):
+            raise MigrationError("live migration needs QEMU's disk layout")
+        root.mkdir(mode=0o700, parents=True, exist_ok=False)  # never another sandbox's
+        try:
+            await disks.create_overlay(layout.disk(root), self.plan.golden.snapshot.disk,
+                                       size_bytes=disk_bytes)
+            await network.create(self.plan.slot, self.backend.config.network,
+                                 policy=self.plan.egress, tap_owner=self.tap_owner)
+            self.driver = self.backend.new_driver()
+            return await self.driver.listen_incoming(self.spec)
+        except BaseException:
+            await asyncio.shield(self.destroy())
+            raise
+
+    async def finish_receive(self, timeout: float) -> None:
+        """Once the whole stream is in: let the guest run here and re-initialise it (its
+        clock stood still while it was stopped). On failure the caller ``destroy``s."""
+        driver = self.driver
+        if driver is None:
+            raise VMGoneError(f"no incoming VMM for {self.plan.vm_id}")
+        await driver.finish_incoming(self._announce_vmm, timeout)
+        self.agent = AgentClient(self.plan.slot.guest_addr)
+        await self.agent.init_when_ready(self._init_request, self.backend.config.restore_timeout,
+                                         driver.alive)
+
+    async def migrate_out(self, connect: Connect, commit: Callable[[], Awaitable[None]],
+                          timeout: float, live: bool | None = None) -> LiveStats:
+        """Move the running VM to another host: disk and RAM over ``connect``'s streams
+        while the guest runs, then ``commit()`` starts it there, and this VMM is stopped.
+
+        ``commit`` either returns with the destination's guest running, or raises after
+        making sure it is not (then the VM runs here again, as before, and the error is
+        raised), or raises ``OutcomeUnknown`` (the VM stays paused here: it must not run
+        on two hosts). A failure or cancellation before the commit leaves it running.
+        ``live``: see ``QemuDriver.send_live`` (None: where the VMM's dirty tracking is sound)."""
+        driver = self.driver
+        if driver is None or not driver.alive():
+            raise VMGoneError(f"VMM of {self.plan.vm_id} is gone")
+        if self.paused:
+            raise MigrationError("a paused sandbox is not migrated live")
+        started = time.monotonic()
+        stats = await driver.send_live(connect, timeout, live)
+        try:
+            await commit()
+        except OutcomeUnknown:
+            raise
+        except BaseException:
+            await asyncio.shield(self._resume_after_send())
+            raise
+        now = time.time()
+        paused = (now - stats.stopped_at) * 1000 if stats.stopped_at else None
+        await self._abort_start()  # the guest runs there now: this VMM goes
+        return dataclasses.replace(stats, total_ms=(time.monotonic() - started) * 1000,
+                                   paused_ms=paused)
+
+    async def _resume_after_send(self) -> None:
+        assert self.driver is not None
+        await self.driver.resume_after_send()
+        if self.agent is not None:
+            with contextlib.suppress(Exception):
+                await self._init_guest()  # its clock stood still while it was stopped
 
     async def adopt(self, record: VMMRecord) -> None:
         driver = self.backend.new_driver()

@@ -74,6 +74,15 @@ class Keys:
     def usage(self, tenant: str, host: str) -> str:
         return self.usage_of(tenant) + check_host_name(host)
 
+    @property
+    def draining(self) -> str:
+        return f"{self.prefix}/draining/"
+
+    def drain(self, host: str) -> str:
+        """Present while ``host`` is being drained (``agentbox-server drain``): placement
+        skips it and the host moves its sandboxes away (gateway/cluster/drain.py)."""
+        return self.draining + check_host_name(host)
+
     def election(self, name: str) -> str:
         return f"{self.prefix}/elections/{check_host_name(name)}"
 

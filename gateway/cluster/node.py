@@ -21,7 +21,7 @@ import random
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gateway.cluster.config import ClusterConfig
 from gateway.cluster.errors import ClusterError, Fenced
@@ -129,6 +129,7 @@ class ClusterNode:
         self.create_request = Request(memory_mib=256, vcpus=1)
         # Closed with the node, before the client (the key ring, the fleet quota).
         self.parts: list[Callable[[], Awaitable[None]]] = []
+        self.drainer: Any = None  # gateway.cluster.drain.Drainer, once started
 
     def arriving(self, sandbox_id: str) -> bool:
         """Is ``sandbox_id`` being adopted here right now (moved here, not yet registered)?"""
@@ -137,8 +138,35 @@ class ClusterNode:
     def place_create(self) -> ServeHere | Forward:
         from gateway.cluster.routing import place
 
-        return place(self.routes.table.hosts.values(), self.config.host, self.create_request,
+        from gateway.cluster.drain import eligible
+
+        table = self.routes.table  # a draining host is never chosen (nor is this one if it is)
+        hosts = eligible(table.hosts.values(), table.draining)
+        return place(hosts, self.config.host, self.create_request,
                      k=self.config.placement_choices, rng=self.rng)
+
+    @property
+    def draining(self) -> bool:
+        """This host is marked draining (``agentbox-server drain``)."""
+        return self.config.host in self.routes.table.draining
+
+    def start_drainer(self, local: Callable[[], list[tuple[str, State]]], move: Any,
+                      admin_key: Callable[[], str]) -> None:
+        """Drain this host whenever it is marked (gateway/cluster/drain.py); stopped with
+        the node."""
+        from gateway.cluster.drain import Drainer
+
+        table = self.routes.table
+        drainer = Drainer(self.config.host, self.client, self.keys,
+                          lambda: list(table.hosts.values()), lambda: table.draining, local,
+                          move, admin_key, rng=self.rng)
+        self.drainer = drainer
+        task = asyncio.get_running_loop().create_task(drainer.run(),
+                                                      name=f"drain:{self.config.host}")
+
+        async def stop() -> None:
+            await tasks.stop(task)
+        self.parts.append(stop)
 
     def _lease(self) -> int:
         return self.membership.lease if self.membership is not None else 0

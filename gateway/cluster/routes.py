@@ -50,12 +50,14 @@ class RouteTable:
     revision: int = 0
     hosts: dict[str, HostRecord] = field(default_factory=dict)
     sandboxes: dict[str, SandboxRecord] = field(default_factory=dict)
+    draining: set[str] = field(default_factory=set)  # hosts marked by `agentbox-server drain`
     skipped: int = 0  # records that did not parse
 
     def load(self, revision: int, kvs: list[wire.KeyValue]) -> None:
         """Replace everything with a listing read at ``revision``."""
         self.hosts.clear()
         self.sandboxes.clear()
+        self.draining.clear()
         for kv in kvs:
             self._put(kv)
         self.revision = revision
@@ -88,6 +90,8 @@ class RouteTable:
             elif key.startswith(self.keys.sandboxes):
                 sandbox = SandboxRecord.decode(kv.value)
                 self.sandboxes[sandbox.id] = sandbox
+            elif key.startswith(self.keys.draining):
+                self.draining.add(key[len(self.keys.draining):])
         except ProtocolError as exc:
             self.skipped += 1
             log.warning("route cache: skipping %s: %s", key, exc)
@@ -98,6 +102,8 @@ class RouteTable:
             self.hosts.pop(key[len(self.keys.hosts):], None)
         elif key.startswith(self.keys.sandboxes):
             self.sandboxes.pop(key[len(self.keys.sandboxes):], None)
+        elif key.startswith(self.keys.draining):
+            self.draining.discard(key[len(self.keys.draining):])
 
 
 class RouteCache:
@@ -121,6 +127,10 @@ class RouteCache:
 
     def route(self, sandbox_id: str) -> Route | None:
         return self.table.route(sandbox_id)
+
+    def host_live(self, name: str) -> bool:
+        """Whether ``name`` has a host record (it is live to the fleet)."""
+        return name in self.table.hosts
 
     def addresses(self) -> set[str]:
         """The IP (or name) part of every live host's advertised address."""

@@ -20,6 +20,7 @@ from gateway.http import (
     build_routes,
     interp_routes,
     key_routes,
+    migration_routes,
     template_routes,
     metrics,
     openapi,
@@ -129,6 +130,7 @@ def build_app(config: Config) -> web.Application:
     app.add_routes(template_routes.routes)
     app.add_routes(control_routes.routes)
     app.add_routes(key_routes.routes)
+    app.add_routes(migration_routes.routes)
     app.add_routes(metrics.routes)
     app.add_routes(terminal.routes)
     app.add_routes(port_routes.routes)
@@ -198,6 +200,7 @@ async def _serve(app: web.Application, config: Config,
             _adopt_through(service, node)
             _route_through(app, config, registry, node)
             await _share_keys_and_quotas(service, node)
+            _drain_through(app, config, service, node)
         log.info("agentbox ready on http://%s, dashboard at /dashboard (vmm %s/%s; "
                  "templates: %s)", config.server.listen, backend.driver_name, backend.accel.value,
                  ", ".join(sorted(goldens)) or "none")
@@ -263,6 +266,30 @@ def _route_through(app: web.Application, config: Config, registry: Registry,
     cluster_forward.attach(app, node, Forwarder(
         config.cluster.host, server.proxy_connect_timeout, server.proxy_read_timeout,
         server.max_ws_message_bytes))
+
+
+def _drain_through(app: web.Application, config: Config, service: SandboxService,
+                   node: cluster_node.ClusterNode) -> None:
+    """[cluster] on: take sandboxes other hosts move here, and move this host's away while
+    it is marked draining (docs/cluster.md, "Drain")."""
+    from gateway.sandbox.migration import Arrivals, move_sandbox
+
+    # The migration streams come to the advertised address (its port: the daemon's own
+    # API; each migration listens on a port of its own, chosen by the kernel).
+    address = config.cluster.advertise.rsplit(":", 1)[0].strip("[]")
+    arrivals = Arrivals(service, bind=address, advertise=address)
+    app[migration_routes.ARRIVALS_KEY] = arrivals
+    node.parts.append(arrivals.aclose)
+    key_file = config.server.data_dir / "admin.key"
+
+    def admin_key() -> str:
+        return key_file.read_text().strip()
+
+    async def move(sandbox_id: str, host: str, peer: Any, record_move: Any) -> Any:
+        return await move_sandbox(service, sandbox_id, host, peer, record_move)
+
+    node.start_drainer(lambda: [(r.id, r.state) for r in service.registry.list()], move,
+                       admin_key)
 
 
 async def _share_keys_and_quotas(service: SandboxService, node: cluster_node.ClusterNode

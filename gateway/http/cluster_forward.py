@@ -15,12 +15,15 @@ node also refuses creates (``POST /v1/sandboxes``): it could not publish their r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from aiohttp import web
 
 from gateway.cluster import routing
 from gateway.cluster.config import ClusterConfig
 from gateway.cluster.node import ClusterNode
-from gateway.errors import ApiError, ForwardLoop, HostFenced, OwnerUnavailable
+from gateway.errors import (ApiError, ForwardLoop, HostFenced, OwnerUnavailable, SandboxMoved,
+                            Unavailable)
 from gateway.http.middleware import Handler
 from gateway.preview import hosts, sessions
 from gateway.preview.forward import Forwarder
@@ -67,8 +70,9 @@ async def cluster_middleware(request: web.Request, handler: Handler) -> web.Stre
                               arriving=node.arriving(sandbox_id))
     try:
         if isinstance(decision, routing.Forward):
-            return await request.app[FORWARDER_KEY].forward(request, decision.host,
-                                                            decision.address)
+            return await request.app[FORWARDER_KEY].forward(
+                request, decision.host, decision.address,
+                live=_still_owner(node, sandbox_id, decision.host))
         if isinstance(decision, routing.Refuse):
             raise _REFUSALS[decision.code](decision.message)
     except ApiError as exc:
@@ -78,7 +82,38 @@ async def cluster_middleware(request: web.Request, handler: Handler) -> web.Stre
     client = routing.client_of(forwarded_by, request.remote,
                                request.headers.get("X-Forwarded-For", ""),
                                node.routes.addresses())
-    return await handler(request.clone(remote=client) if client else request)
+    served = request.clone(remote=client) if client else request
+    try:
+        return await handler(served)
+    except SandboxMoved as moved:
+        # Held through a drain's move (or its route not yet seen here): the new owner
+        # serves it. Only requests that never reached the guest end here.
+        return await _to_new_owner(served, node, moved, on_host)
+
+
+async def _to_new_owner(request: web.Request, node: ClusterNode, moved: SandboxMoved,
+                        on_host: bool) -> web.StreamResponse:
+    # Sent on even when another host forwarded it here: it was meant for the owner, and the
+    # owner moved (each move sends it on at most once more).
+    owner = node.routes.table.hosts.get(moved.host)
+    if owner is None or owner.name == node.config.host:
+        if on_host:  # the new owner has no live record: the client retries
+            return hosts.error_page(request, moved.status, moved.code, str(moved),
+                                    moved.headers)
+        raise moved
+    return await request.app[FORWARDER_KEY].forward(request, owner.name, owner.address)
+
+
+def _still_owner(node: ClusterNode, sandbox_id: str, host: str) -> Callable[[], bool]:
+    """Whether ``host`` is still live in the fleet (what is in flight to it is ended when
+    not: gateway.preview.forward). Not whether it still owns the sandbox: a drain moves the
+    record while the old owner still holds requests, which it then sends on to the new one."""
+    def live() -> bool:
+        route = node.routes.route(sandbox_id)
+        if route is not None and route.host == host:
+            return route.live
+        return node.routes.host_live(host)  # moved away (a drain): the old owner sends it on
+    return live
 
 
 async def _create(request: web.Request, handler: Handler, node: ClusterNode
@@ -88,11 +123,14 @@ async def _create(request: web.Request, handler: Handler, node: ClusterNode
     if node.fenced is not None:
         raise HostFenced(f"host {node.config.host} is fenced ({node.fenced}): it "
                          "creates no sandboxes until it rejoins the fleet")
-    if request.headers.get(routing.HOP_HEADER) is None:
+    if request.headers.get(routing.HOP_HEADER) is None or node.draining:
         decision = node.place_create()
         if isinstance(decision, routing.Forward):
             return await request.app[FORWARDER_KEY].forward(request, decision.host,
                                                             decision.address)
+        if node.draining:  # placement never chooses a draining host, not even itself
+            raise Unavailable(f"host {node.config.host} is being drained and no other host "
+                              "can take a sandbox now: retry", headers={"Retry-After": "5"})
     return await handler(request)
 
 

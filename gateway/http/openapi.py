@@ -212,7 +212,11 @@ _ANY_METHODS = ("GET", "PUT", "POST", "DELETE", "PATCH", "HEAD", "OPTIONS")
 # path on ``{port}-{id}.<preview_domain>`` and ``{name}.<session_domain>`` hosts (a sub-app
 # matched by Host, which OpenAPI cannot express).
 NOT_API_ROUTES = frozenset({("*", "/{tail}"), ("GET", "/dashboard"), ("GET", "/dashboard/"),
-                            ("GET", "/dashboard/{name}")})  # the dashboard's static files
+                            ("GET", "/dashboard/{name}"),  # the dashboard's static files
+                            # host-to-host, admin only (gateway/http/migration_routes.py)
+                            ("POST", "/v1/internal/migrations"),
+                            ("POST", "/v1/internal/migrations/{id}/commit"),
+                            ("POST", "/v1/internal/migrations/{id}/abort")})
 _TENANT = ("tenant", "admin key only: another key's id (e.g. a revoked key's sandboxes)",
            {"type": "string"})
 _LIST_QUERY = (

@@ -16,11 +16,22 @@ before the response started is ``owner_unavailable`` (503) or ``upstream_timeout
 after it started, the client's connection is closed (a truncated body is never passed off
 as whole). A WebSocket the owner refuses is a 502 ``bad_gateway`` naming the owner's status
 (its error body is not relayed).
+
+The owner leaving the fleet ends what is in flight to it: the caller's ``live()`` (the
+route cache still names that host, live, as the owner) is checked every
+``LIVENESS_POLL`` seconds, and once false a request still waiting for its answer gets 504
+``upstream_timeout`` (it may have run there: its outcome is unknown), a response being
+relayed is cut as above, and a spliced WebSocket is closed (1001). Without it, a request
+on a pooled connection to a host that was cut off waited the whole ``read_timeout``
+(tests/cluster/test_fleet_e2e.py found it), and a terminal WebSocket forever.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from collections.abc import Callable, Iterator
 
 import aiohttp
 from aiohttp import web
@@ -36,6 +47,50 @@ from gateway.preview.proxy import (
 from gateway.preview.proxy_headers import upstream_headers
 
 log = logging.getLogger(__name__)
+LIVENESS_POLL = 0.25  # seconds between checks that the owner is still the live owner
+Live = Callable[[], bool]
+
+
+class _Watchdog:
+    """Calls an entry's ``on_left()`` once its ``live()`` is false; one task polls every
+    entry each ``LIVENESS_POLL`` seconds, and only while there are entries (a request
+    pays a dict insert and delete, no timer of its own)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[Live, Callable[[], object]]] = {}
+        self._count = 0
+        self._task: asyncio.Task[None] | None = None
+
+    @contextlib.contextmanager
+    def watching(self, live: Live | None, on_left: Callable[[], object]) -> Iterator[None]:
+        if live is None:
+            yield
+            return
+        self._count += 1
+        key = self._count
+        self._entries[key] = (live, on_left)
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+        try:
+            yield
+        finally:
+            self._entries.pop(key, None)
+
+    async def _run(self) -> None:
+        while self._entries:
+            await asyncio.sleep(LIVENESS_POLL)
+            for key, (live, on_left) in list(self._entries.items()):
+                if key in self._entries and not live():
+                    del self._entries[key]
+                    try:
+                        on_left()
+                    except Exception:  # one entry's failure must not stop the others'
+                        log.exception("ending a forward to an owner that left")
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
 
 
 class Forwarder:
@@ -47,6 +102,7 @@ class Forwarder:
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout,
                                               sock_read=read_timeout)
         self._session: aiohttp.ClientSession | None = None
+        self._watchdog = _Watchdog()
         self.forwarded = 0
 
     def session(self) -> aiohttp.ClientSession:
@@ -59,38 +115,54 @@ class Forwarder:
         return self._session
 
     async def aclose(self) -> None:
+        await self._watchdog.aclose()
         if self._session is not None:
             await self._session.close()
 
-    async def forward(self, request: web.Request, host: str,
-                      address: str) -> web.StreamResponse:
+    async def forward(self, request: web.Request, host: str, address: str,
+                      live: Live | None = None) -> web.StreamResponse:
+        """``live``: whether ``host`` is still the sandbox's live owner (checked while the
+        request is in flight; None: not checked)."""
         self.forwarded += 1
         url = URL(f"http://{address}{request.raw_path}", encoded=True)
         if is_websocket(request):
-            return await self._websocket(request, host, url)
+            return await self._websocket(request, host, url, live)
         headers = self._headers(request, websocket=False)
         if request.content_length is not None:
             headers["Content-Length"] = str(request.content_length)
         if request.body_exists:
             await send_continue(request)
-        body = request.content if request.body_exists else None
+        # A handler that read the body before the request was sent on (a sandbox that moved
+        # while it waited: gateway/http/cluster_forward.py) left it in aiohttp's cache.
+        read = getattr(request, "_read_bytes", None)
+        body = read if read is not None else (request.content if request.body_exists else None)
+        left = asyncio.timeout(None)  # expired at once by the watchdog if the owner leaves
         try:
-            upstream = await self.session().request(
-                request.method, url, headers=headers, data=body, allow_redirects=False,
-                compress=None)
+            async with left:
+                with self._watchdog.watching(live, lambda: left.reschedule(-1)):
+                    upstream = await self.session().request(
+                        request.method, url, headers=headers, data=body,
+                        allow_redirects=False, compress=None)
         except aiohttp.ServerTimeoutError as exc:
             raise UpstreamTimeout(f"the owner {host} ({address}) did not answer in "
                                   "time") from exc
         except aiohttp.ClientError as exc:
             raise OwnerUnavailable(f"cannot forward to the owner {host} ({address}): "
                                    f"{exc}") from exc
+        except TimeoutError as exc:
+            if not left.expired():
+                raise
+            raise UpstreamTimeout(f"the owner {host} ({address}) left the fleet before it "
+                                  "answered; the request may have run there") from exc
         try:
-            return await relay(request, upstream, f"forward to {host}")
+            # Closing the upstream makes relay() cut the client's connection.
+            with self._watchdog.watching(live, upstream.close):
+                return await relay(request, upstream, f"forward to {host}")
         finally:
             upstream.release()
 
-    async def _websocket(self, request: web.Request, host: str,
-                         url: URL) -> web.StreamResponse:
+    async def _websocket(self, request: web.Request, host: str, url: URL,
+                         live: Live | None) -> web.StreamResponse:
         offered = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "")
                    .split(",") if p.strip()]
         try:
@@ -111,7 +183,12 @@ class Forwarder:
                 max_msg_size=self.max_ws, autoping=False, autoclose=True, compress=False,
                 timeout=WS_CLOSE_TIMEOUT)
             await down.prepare(request)
-            await splice(down, upstream)
+            closing: list[asyncio.Task[bool]] = []
+            with self._watchdog.watching(live, lambda: closing.append(asyncio.ensure_future(
+                    down.close(code=aiohttp.WSCloseCode.GOING_AWAY,
+                               message=b"the sandbox's owner left the fleet")))):
+                await splice(down, upstream)
+            await asyncio.gather(*closing, return_exceptions=True)
             return down
         finally:
             if not upstream.closed:

@@ -31,11 +31,12 @@ from typing import Any
 from gateway.sandbox import core as c
 from gateway.sandbox.core import Policy, RestoreFailed, VMLost, WakeTimeout
 from gateway.sandbox.machine_port import MachinePort
-from gateway.errors import ApiError, SandboxNotFound, Unavailable
+from gateway.errors import ApiError, SandboxMoved, SandboxNotFound, Unavailable
 from gateway.sandbox.states import State
 from gateway.sandbox.metrics import Metrics
 from gateway.store.registry import Registry, SandboxRecord
 from gateway.sandbox.slots import Slots
+from vmctl.errors import OutcomeUnknown
 from vmctl.machine import RestoreError
 from vmctl.watch import ExitWatch
 
@@ -107,6 +108,7 @@ class SandboxController:
         self._watch: ExitWatch | None = None
         self._last_activity: float | None = None  # wall clock of the last request's end
         self.streams = 0  # open WebSockets / streamed responses (for metrics and tests)
+        self._move: tuple[str, Callable[[], Awaitable[None]], asyncio.Future[None]] | None = None
         machine.on_vmm_started = self._vmm_started
 
     def __repr__(self) -> str:
@@ -273,6 +275,8 @@ class SandboxController:
 
     def _rejection(self, error: ApiError) -> ApiError:
         self.metrics.events[{"hold_queue_full": "hold_rejected"}.get(error.code, error.code)] += 1
+        if isinstance(error, SandboxMoved):
+            return SandboxMoved(self.id, error.host)
         return SandboxNotFound(self.id) if isinstance(error, SandboxNotFound) else error
 
     async def _hold(self, hold: c.Hold) -> None:
@@ -319,6 +323,25 @@ class SandboxController:
         assert self._op is not None
         return self._op
 
+    def start_migrate(self, host: str, move: Callable[[], Awaitable[None]]) -> asyncio.Future:
+        """Begin moving the running sandbox to ``host`` (a drain): ``move()`` does it
+        (``gateway.sandbox.migration``) and returns once the guest runs there, or raises
+        with the VM running here again. New requests are held meanwhile. Returns a future
+        of the move's outcome (it raises what ``move`` raised; the held requests do not
+        see that error: they are admitted, or sent on to the new owner)."""
+        outcome: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._move = (host, move, outcome)
+        for cmd in self._run(self.core.handle(c.MigrateRequested(host))):
+            if isinstance(cmd, c.Reject):
+                raise cmd.error
+        assert self._op is not None
+        return outcome
+
+    def arrived(self) -> None:
+        """The destination's side: the VM moved here runs (``gateway.sandbox.migration``):
+        CREATING -> RUNNING, its VMM watched, requests admitted."""
+        self._run(self.core.handle(c.CreateFinished(self._vmm())))
+
     def close(self) -> None:
         """Stop watching the VMM (the daemon is stopping; the VMM keeps running)."""
         self._stop_watch()
@@ -352,7 +375,8 @@ class SandboxController:
 
     def _start(self, op: c.Op) -> None:
         coro = {c.Op.CREATE: self._create_op, c.Op.SUSPEND: self._suspend_op,
-                c.Op.PAUSE: self._pause_op, c.Op.UNPAUSE: self._unpause_op}.get(op)
+                c.Op.PAUSE: self._pause_op, c.Op.UNPAUSE: self._unpause_op,
+                c.Op.MIGRATE: self._migrate_op}.get(op)
         self._op = self._spawn(coro() if coro else self._restore_op(op),
                                f"{op.value}-{self.id}")
 
@@ -449,6 +473,44 @@ class SandboxController:
             self.metrics.unpause_seconds.observe(ms / 1000)
             self._run(self.core.handle(c.UnpauseFinished(ms)))
         finally:
+            self._end_op()
+
+    async def _migrate_op(self) -> None:
+        assert self._move is not None
+        host, move, outcome = self._move
+        try:
+            self._stop_watch()  # once moved, this VMM exits on purpose
+            try:
+                await move()
+            except BaseException as exc:
+                if isinstance(exc, OutcomeUnknown):
+                    # The other host may run the guest: this copy must never run again.
+                    # FAILED here; a request cold-boots its disk (docs/cluster.md, Drain:
+                    # an operator should check the destination first).
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(self.machine.stop_vmm())
+                driver = self.machine.driver
+                alive = driver is not None and driver.alive()
+                if alive:
+                    vmm = self._vmm()
+                    if vmm:
+                        self._start_watch(vmm["pid"])
+                self.metrics.events["migrate_failed"] += 1
+                self._run(self.core.handle(c.MigrateFailed(str(exc) or repr(exc), alive)))
+                if not outcome.done():
+                    outcome.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+                return
+            self.metrics.events["migrate"] += 1
+            self._run(self.core.handle(c.MigrateFinished(host)))
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.machine.destroy())  # its namespace and files
+            if not outcome.done():
+                outcome.set_result(None)
+        finally:
+            if not outcome.done():
+                outcome.cancel()
             self._end_op()
 
     async def _resume_after_failed_suspend(self) -> bool:

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any
 
-from gateway.errors import ApiError, Conflict, SandboxNotFound, Unavailable
+from gateway.errors import (ApiError, Conflict, OwnerUnavailable, SandboxMoved, SandboxNotFound,
+                            Unavailable)
 from gateway.sandbox.states import Event, State, next_state
 
 
@@ -63,6 +64,7 @@ class Op(enum.Enum):
     SUSPEND = "suspend"
     PAUSE = "pause"  # stop the vCPUs (QMP ``stop``); the VMM and its RAM stay
     UNPAUSE = "unpause"  # ``cont`` plus the clock fix
+    MIGRATE = "migrate"  # live migration to another host (a drain); requests are held
 
 
 class Snapshot(enum.Enum):
@@ -197,6 +199,26 @@ class UnpauseFinished:
 @dataclass(frozen=True)
 class UnpauseFailed:
     cause: str
+
+
+@dataclass(frozen=True)
+class MigrateRequested:
+    """Move the running sandbox to ``host`` (a drain)."""
+
+    host: str
+
+
+@dataclass(frozen=True)
+class MigrateFinished:
+    """The guest runs on the other host now; this host's VMM is gone."""
+
+    host: str
+
+
+@dataclass(frozen=True)
+class MigrateFailed:
+    cause: str
+    vm_alive: bool  # the VM runs here again (every failure before the destination started it)
 
 
 @dataclass(frozen=True)
@@ -422,6 +444,7 @@ class SandboxCore:
         self._suspend_from_pause = False  # the running suspend found the VM paused
         self._drain_deadline: float | None = None
         self._plan: Plan | None = None
+        self.moved_to: str | None = None  # the host a migration moved it to
 
     def __repr__(self) -> str:
         return (f"<SandboxCore {self.state.name} op={self.op and self.op.name} "
@@ -461,6 +484,8 @@ class SandboxCore:
             self.active += 1
             return [Admit()]
         if st is S.DESTROYED:
+            if self.moved_to is not None:  # held through a move: the new owner serves it
+                return self._leave_queue(Reject(SandboxMoved("", self.moved_to)))
             return self._leave_queue(Reject(SandboxNotFound("")))
         if self.entering > p.max_waiters_per_sandbox or ev.held_globally >= p.max_waiters_global:
             return self._leave_queue(Reject(Unavailable(
@@ -612,6 +637,42 @@ class SandboxCore:
         self.vmm_pid = None
         return self._fail(E.CRASHED, f"wake from pause failed: {ev.cause}")
 
+    # -- live migration (a drain) ---------------------------------------------------------
+    #
+    # The sandbox stays RUNNING while its disk and RAM are copied (the guest serves the
+    # requests already admitted); new requests are held, as during a wake. A move that
+    # succeeded is recorded as DESTROY here (the sandbox lives on the other host now, whose
+    # record etcd holds) and the held requests are refused with SandboxMoved, which the
+    # routing middleware forwards to the new owner. A move that failed left the VM running
+    # here (vmctl guarantees it) and the held requests are admitted.
+
+    def _on_MigrateRequested(self, ev: MigrateRequested) -> list[Command]:
+        if not self.serving:
+            return [Reject(Conflict(f"sandbox is {self.state.value}"
+                                    f"{' (' + self.op.value + ' under way)' if self.op else ''}",
+                                    code="not_running"))]
+        self.op = Op.MIGRATE
+        return [StartOp(Op.MIGRATE)]
+
+    def _on_MigrateFinished(self, ev: MigrateFinished) -> list[Command]:
+        self.op = None
+        self.vmm_pid = None  # its exit is the move's, not a crash
+        self.moved_to = ev.host
+        # Requests admitted before the move were using the guest here: their connection
+        # to it is gone (the guest, and what they started in it, runs on there). Not
+        # forwarded: they may have had effects already.
+        gone = OwnerUnavailable(f"the sandbox moved to host {ev.host} while this request "
+                                "ran; retry", headers={"Retry-After": "1"})
+        return [*self._record(E.DESTROY, f"moved to host {ev.host}", vmm=None),
+                AbortRequests(gone), RemoveResources()]
+
+    def _on_MigrateFailed(self, ev: MigrateFailed) -> list[Command]:
+        self.op = None
+        if ev.vm_alive:
+            return [Touch()]  # still RUNNING here; held requests ask again and are admitted
+        self.vmm_pid = None
+        return self._fail(E.CRASHED, f"migration failed and the VM is lost: {ev.cause}")
+
     # -- create / restore --------------------------------------------------------------------
 
     def begin_create(self) -> list[Command]:
@@ -757,6 +818,9 @@ RULES: dict[type, Callable[[SandboxCore, Any], list[Command]]] = {
     PauseFailed: SandboxCore._on_PauseFailed,
     UnpauseFinished: SandboxCore._on_UnpauseFinished,
     UnpauseFailed: SandboxCore._on_UnpauseFailed,
+    MigrateRequested: SandboxCore._on_MigrateRequested,
+    MigrateFinished: SandboxCore._on_MigrateFinished,
+    MigrateFailed: SandboxCore._on_MigrateFailed,
     CreateFinished: SandboxCore._on_CreateFinished,
     CreateFailed: SandboxCore._on_CreateFailed,
     RestoreFinished: SandboxCore._on_RestoreFinished,

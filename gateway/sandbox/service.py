@@ -27,7 +27,7 @@ from gateway.tenancy import quotas
 from gateway.config import Config
 from gateway.sandbox.controller import HoldCounter, SandboxController, Wake, WakePolicy
 from gateway.builds.builtin import BuiltinBuilds
-from gateway.errors import BadRequest, Conflict, SandboxNotFound, Unavailable
+from gateway.errors import BadRequest, Conflict, SandboxMoved, SandboxNotFound, Unavailable
 from gateway.sandbox.states import State
 from gateway.sandbox.metrics import Metrics
 from gateway.store.registry import Registry, SandboxRecord
@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 MAX_METADATA_BYTES = 16 * 1024
 IDLE_SCAN_S = 1.0
+MAX_MOVED_REMEMBERED = 10_000  # sandboxes moved away whose requests are still redirected
 # Set while a request runs: how long it waited for its sandbox to wake (for a response header).
 current_wake: contextvars.ContextVar[Wake | None] = contextvars.ContextVar("wake", default=None)
 
@@ -66,6 +67,7 @@ class SandboxService:
         self.holds = HoldCounter()
         self.metrics = Metrics()
         self._controllers: dict[str, SandboxController] = {}
+        self._moved: dict[str, str] = {}  # sandbox id -> the host a drain moved it to
         self._tasks: set[asyncio.Task] = set()
         self._golden_cache: dict[str, Golden] = {str(g.dir): g for g in goldens.values()}
         # Served names and their aliases are reserved: no tenant template may take one.
@@ -92,8 +94,18 @@ class SandboxService:
     def get(self, tenant: str, sandbox_id: str) -> SandboxRecord:
         rec = self.registry.get(sandbox_id)
         if rec is None or rec.tenant != tenant or rec.state is State.DESTROYED:
+            moved = self._moved.get(sandbox_id)
+            if moved is not None and rec is not None and rec.tenant == tenant:
+                raise SandboxMoved(sandbox_id, moved)  # forwarded by the routing middleware
             raise SandboxNotFound(sandbox_id)
         return rec
+
+    def note_moved(self, sandbox_id: str, host: str) -> None:
+        """The sandbox moved to ``host``: a request that still reaches this host for it
+        (route caches lag) is forwarded there, not answered 404 (bounded memory)."""
+        self._moved[sandbox_id] = host
+        while len(self._moved) > MAX_MOVED_REMEMBERED:
+            self._moved.pop(next(iter(self._moved)))
 
     def list(self, tenant: str) -> list[SandboxRecord]:
         return self.registry.list(tenant)
@@ -218,6 +230,27 @@ class SandboxService:
 
     def release_slot(self, slot: int) -> None:
         self._claimed_slots.discard(slot)
+
+    def reserve_arrival(self, fields: dict[str, Any]) -> SandboxRecord:
+        """Record a sandbox moving here from another host (gateway.sandbox.migration) as
+        CREATING, with this host's slot and root; its id, tenant and shape are its own."""
+        golden_dir = Path(fields["golden"])
+        if not (golden_dir / "manifest.json").is_file():
+            raise Conflict(f"this host does not have the sandbox's golden {golden_dir.name}",
+                           code="conflict")
+        if self.registry.get(fields["id"]) is not None:
+            raise Conflict(f"sandbox {fields['id']} is already known here", code="conflict")
+        used = self.registry.used_slots() | self._claimed_slots
+        slot = self._free_slot(used) if len(used) < self.config.sandbox.max_sandboxes else None
+        if slot is None:
+            raise Unavailable("this host has no room for another sandbox", code="sandbox_limit")
+        now = time.time()
+        rec = SandboxRecord(state=State.CREATING, slot=slot,
+                            root=str(self.sandboxes_dir / fields["id"]), host=self.registry.host,
+                            updated_at=now, last_activity=now, **fields)
+        self.registry.insert_sandbox(rec)
+        self.golden_for(rec)  # loadable, before any VMM starts
+        return rec
 
     def _free_slot(self, used: set[int]) -> int | None:
         """Lowest slot no sandbox of ours holds and whose host interface does not exist

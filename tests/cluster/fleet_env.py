@@ -11,7 +11,12 @@ Layout (``{p}`` is the etcd cluster's per-run prefix):
 
 Each daemon has its own data dir, config, network pool and ``[network] netns_prefix``
 (``{p}{host}-``), shares the read-only images dir, has no warm pool, and runs with
-``[cluster]`` on (TTL 2 s by default) and the object store configured.
+``[cluster]`` on (TTL 2 s by default) and the object store configured. What two daemons
+on one kernel could otherwise share: sandbox namespaces (the prefix), host-side veth
+names and VMM uids (both derive from the slot's address: a pool per host), cgroups (per
+data dir already), QEMU's short socket names under /run/agentbox (they carry a digest of
+the VM's workdir, vmctl/drivers/qemu.py), and nothing else found
+(a grep of gateway/ and vmctl/ for /run, /var/run and /tmp).
 
 Why ``nsenter --net`` and not ``ip netns exec``: the latter also unshares the mount
 namespace (a slave of the host's), so every sandbox namespace the daemon then makes with
@@ -204,6 +209,8 @@ class Fleet:
     size: int = 3
     ttl: int = 2
     hosts: list[Host] = field(default_factory=list)
+    # Extra config, merged into each host's per section (e.g. {"tenancy": {"rate": ...}}).
+    overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     admin_key: str = ""
     objstore_endpoint: str = ""
     _clients: list[NsClient] = field(default_factory=list)
@@ -271,6 +278,8 @@ class Fleet:
             "objstore_endpoint": self.objstore_endpoint, "objstore_bucket": BUCKET,
             "objstore_access_key": CREDS.access_key,
             "objstore_secret_key": CREDS.secret_key}
+        for section, values in self.overrides.items():
+            base.setdefault(section, {}).update(values)
         return base
 
     def _write_config(self, host: Host) -> None:
@@ -316,13 +325,28 @@ class Fleet:
         return NsClient(self.etcd.switch, host.url, headers, timeout, workers)
 
     def client(self, host: Host | str, key: str | None = None, timeout: float = 120,
-               workers: int = 1) -> NsClient:
-        """A client to ``host`` with ``key`` (default: the fleet's admin key); closed with
-        the fleet."""
+               workers: int = 1, inside: bool = False) -> NsClient:
+        """A client to ``host`` with ``key`` (default: the fleet's admin key; "": none);
+        closed with the fleet. ``inside``: from the host's own namespace (reaches it while its link
+        is cut) instead of the switch."""
         host = self.host(host) if isinstance(host, str) else host
-        client = self._raw_client(host, key or self.admin_key, timeout, workers)
+        key = self.admin_key if key is None else key
+        client = NsClient(host.netns if inside else self.etcd.switch, host.url,
+                          {"Authorization": f"Bearer {key}"} if key else {}, timeout, workers)
         self._clients.append(client)
         return client
+
+    def create_on(self, host: Host | str, **body: Any) -> str:
+        """Create a sandbox on ``host`` itself (placement skipped: the request carries the
+        hop header, as a create another host placed here does); returns its id once its
+        record names ``host``."""
+        host = self.host(host) if isinstance(host, str) else host
+        r = self.client(host).post("/v1/sandboxes", json={"template": "python", **body},
+                                   headers={"X-AgentBox-Forwarded": "test-placement"})
+        assert r.status_code == 201, r.text
+        sandbox_id: str = r.json()["id"]
+        assert self.owner(sandbox_id) is host
+        return sandbox_id
 
     @staticmethod
     def wait_for(check: Callable[[], bool], timeout: float, what: str,
@@ -354,6 +378,19 @@ class Fleet:
             finally:
                 await client.aclose()
             return SandboxRecord.decode(kv.value) if kv is not None else None
+        return self.loop.run(read(), timeout=30)
+
+    def host_record(self, host: Host) -> bool:
+        """Whether etcd holds ``host``'s record (it is live to the fleet)."""
+        from gateway.cluster.etcd import EtcdClient
+        from gateway.cluster.keys import Keys
+
+        async def read() -> bool:
+            client = EtcdClient(self.etcd.endpoints, attempt_timeout=0.5)
+            try:
+                return await client.get(Keys(f"/{self.prefix}").host(host.name)) is not None
+            finally:
+                await client.aclose()
         return self.loop.run(read(), timeout=30)
 
     def owner(self, sandbox_id: str) -> Host:
@@ -464,10 +501,10 @@ def skip_reason() -> str | None:
 
 
 @contextlib.contextmanager
-def running_fleet(etcd: EtcdCluster, base_dir: Path, size: int = 3,
-                  ttl: int = 2) -> Iterator[Fleet]:
+def running_fleet(etcd: EtcdCluster, base_dir: Path, size: int = 3, ttl: int = 2,
+                  overrides: dict[str, dict[str, Any]] | None = None) -> Iterator[Fleet]:
     """A started fleet; at the end everything is removed and nothing may be left."""
-    fleet = Fleet(etcd, base_dir, size=size, ttl=ttl)
+    fleet = Fleet(etcd, base_dir, size=size, ttl=ttl, overrides=overrides or {})
     ok = False
     try:
         took = fleet.start()

@@ -33,6 +33,9 @@ class FakeRoutes:
 
     fleet: set[str] = field(default_factory=set)  # more live hosts' IPs
 
+    def host_live(self, name: str) -> bool:
+        return any(r.host == name and r.address for r in self.table.values())
+
 
 @dataclass
 class FakeNode:
@@ -43,6 +46,7 @@ class FakeNode:
     fenced: str | None = None
     placed: Any = None  # what place_create answers (None: serve here)
     adopting: set[str] = field(default_factory=set)  # moved here, not registered yet
+    draining: bool = False
 
     def arriving(self, sandbox_id: str) -> bool:
         return sandbox_id in self.adopting

@@ -177,6 +177,53 @@ async def test_a_silent_owner_times_out_within_the_bound() -> None:
         await stall.wait_closed()
 
 
+async def test_what_is_in_flight_ends_when_the_owner_leaves_the_fleet() -> None:
+    """A request waiting on an owner that stops answering (cut off: its pooled connection
+    just goes silent) ends about LIVENESS_POLL after the route cache says the owner is
+    gone, not after the read timeout (30 s here); a spliced WebSocket is closed (1001)."""
+    done = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await done.wait()
+        writer.close()
+        await writer.wait_closed()
+
+    stall = await asyncio.start_server(silent, "127.0.0.1", 0)
+    b = FakeNode("host-b")
+    b.routes.table["sbx1"] = owned_by("host-a", f"127.0.0.1:{stall.sockets[0].getsockname()[1]}")
+    server_b = TestServer(build(b, set(), timeout=30), host="127.0.0.1")
+    await server_b.start_server()
+    loop = asyncio.get_running_loop()
+    try:
+        async with aiohttp.ClientSession() as http:
+            loop.call_later(0.5, b.routes.table.__setitem__, "sbx1", owned_by("host-a", None))
+            t0 = loop.time()
+            async with http.get(server_b.make_url("/v1/sandboxes/sbx1"), headers=AUTH) as resp:
+                assert resp.status == 504
+                body = await resp.json()
+            assert body["error"]["code"] == "upstream_timeout"
+            assert "left the fleet" in body["error"]["message"]
+            assert loop.time() - t0 < 5
+    finally:
+        await server_b.close()
+        done.set()
+        stall.close()
+        await stall.wait_closed()
+
+
+async def test_a_spliced_websocket_is_closed_when_the_owner_leaves(fleet) -> None:
+    _, b, server_a, server_b = fleet
+    async with aiohttp.ClientSession() as http:
+        async with http.ws_connect(server_b.make_url("/v1/sandboxes/sbx1/terminal"),
+                                   headers=AUTH) as ws:
+            await ws.send_str("hello")
+            assert await ws.receive_str(timeout=5) == "host-a:hello"
+            b.routes.table["sbx1"] = owned_by("host-a", None)
+            msg = await ws.receive(timeout=5)
+            assert msg.type is aiohttp.WSMsgType.CLOSE
+            assert ws.close_code == aiohttp.WSCloseCode.GOING_AWAY
+
+
 def test_the_middleware_is_installed_only_with_cluster_on() -> None:
     import dataclasses
     import subprocess

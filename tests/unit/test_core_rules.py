@@ -247,6 +247,25 @@ RULES = [
         ["record:destroy", "remove"], S.DESTROYED),
     row("destroy-failed", At(S.FAILED, vmm_pid=None), c.DestroyRequested("api"),
         ["record:destroy", "remove"], S.DESTROYED),
+    # -- live migration (a drain) ----------------------------------------------------------
+    row("migrate-running", At(S.RUNNING), c.MigrateRequested("host-b"),
+        ["start:migrate"], S.RUNNING, Op.MIGRATE),
+    row("migrate-refused-while-suspending", At(S.SUSPENDING, Op.SUSPEND),
+        c.MigrateRequested("host-b"), ["reject:not_running"], S.SUSPENDING, Op.SUSPEND),
+    row("migrate-refused-paused", At(S.PAUSED), c.MigrateRequested("host-b"),
+        ["reject:not_running"], S.PAUSED),
+    row("request-held-during-migration", At(S.RUNNING, Op.MIGRATE, entering=1), ASK,
+        ["hold:30/30"], S.RUNNING, Op.MIGRATE),
+    row("migrated-aborts-the-requests-using-it", At(S.RUNNING, Op.MIGRATE, active=1),
+        c.MigrateFinished("host-b"), ["record:destroy", "abort:owner_unavailable", "remove"],
+        S.DESTROYED),
+    row("held-request-after-the-move-goes-to-the-new-owner",
+        At(S.DESTROYED, vmm_pid=None, entering=1, attrs={"moved_to": "host-b"}), ASK,
+        ["reject:owner_unavailable"], S.DESTROYED),
+    row("migration-failed-vm-runs-here", At(S.RUNNING, Op.MIGRATE, entering=1),
+        c.MigrateFailed("destination died", vm_alive=True), ["touch"], S.RUNNING),
+    row("migration-failed-vm-lost", At(S.RUNNING, Op.MIGRATE),
+        c.MigrateFailed("source died", vm_alive=False), ["record:crashed"], S.FAILED),
 ]
 
 

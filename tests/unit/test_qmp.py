@@ -181,4 +181,9 @@ def test_control_socket_stays_within_the_unix_socket_limit(tmp_path):
     assert control_socket_path(short) == tmp_path / "qmp.sock"
     deep = VMSpec(**{**short.__dict__, "vm_id": "golden-x", "workdir": tmp_path / ("d" * 120)})
     path = control_socket_path(deep)
-    assert len(str(path)) < 108 and path.name == "golden-x.qmp.sock"
+    assert len(str(path)) < 108 and path.name.startswith("golden-x-")
+    assert path.name.endswith(".qmp.sock") and path == control_socket_path(deep)
+    # The same id under another daemon's data dir (a sandbox moving between two hosts of
+    # one kernel) gets another socket.
+    other = VMSpec(**{**deep.__dict__, "workdir": tmp_path / ("e" * 120)})
+    assert control_socket_path(other) != path

@@ -123,7 +123,7 @@ def test_server_command_has_the_server_subcommands_only():
     from gateway.cli import build_parser
 
     choices = build_parser()._subparsers._group_actions[0].choices
-    assert set(choices) == {"serve", "keys", "images"}
+    assert set(choices) == {"serve", "keys", "images", "drain"}
 
 
 def test_client_command_has_no_server_subcommands():

@@ -24,14 +24,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
-from vmctl import cgroup, confine, faults
+from vmctl import cgroup, confine, faults, streams
 from vmctl.console import DEFAULT_CONSOLE_LOG_BYTES, ConsoleLog
-from vmctl.driver import Driver, SnapshotSource
-from vmctl.errors import SnapshotError, VMStartError, VMTimeoutError, VmctlError
+from vmctl.driver import Connect, Driver, LiveStats, SnapshotSource
+from vmctl.errors import (MigrationError, SnapshotError, VMStartError, VMTimeoutError,
+                          VmctlError)
 from vmctl.qmp import QMPClient
 from vmctl.spec import Accel, SnapshotFiles, VMMRecord, VMSpec
 
@@ -39,6 +42,16 @@ QEMU_BINARY = "qemu-system-x86_64"
 STATE_FILE = "vmstate"
 STATE_FD_NAME = "vmstate"  # the device-state file's name on QMP (getfd)
 MIGRATE_SOCKET = "migrate.sock"
+# Live migration (vmctl.migrate). The destination's QEMU listens on two sockets in its own
+# directory (its chroot), which only the daemon connects to; the source's QEMU connects to
+# two sockets the daemon listens on in its directory. QEMU itself reaches no other host.
+NBD_SOCKET = "nbd.sock"  # destination: its disk, exported over NBD for the mirror
+INCOMING_SOCKET = "incoming.sock"  # destination: the migration stream (RAM, devices)
+OUT_DISK_SOCKET = "out-disk.sock"  # source: the mirror's NBD client connects here
+OUT_RAM_SOCKET = "out-ram.sock"  # source: ``migrate`` sends here
+MIRROR_JOB = "agentbox-migrate"
+MIRROR_NODE = "agentbox-migrate-target"
+NBD_EXPORT = "root"
 CONSOLE_SOCKET = "console.sock"
 CONSOLE_LOG = "console.log"
 _MIGRATION_POLL_S = 0.002
@@ -47,6 +60,10 @@ _MIGRATION_POLL_S = 0.002
 # runs a byte per iteration; without it they use 8-byte or vector loops. A 64 MiB bytearray
 # costs half as much, and zeroing freed pages (init_on_free) stays cheap: bench/zeroing.py.
 TCG_CPU = "max,-erms"
+# The pause QEMU aims for when it decides to stop the source for the last of the RAM.
+LIVE_DOWNTIME_MS = 300
+RELAY_DRAIN_S = 30.0  # after a migration completed, for its streams to reach the other side
+
 
 
 def qemu_argv(spec: VMSpec, qmp_socket: Path, binary: str = QEMU_BINARY,
@@ -90,12 +107,15 @@ def control_socket_path(spec: VMSpec) -> Path:
 
 def socket_path(spec: VMSpec, name: str) -> Path:
     """A socket QEMU creates at start-up: in the VM's workdir, or under /run/agentbox if
-    that path is too long for a Unix socket."""
+    that path is too long for a Unix socket. The short name carries a digest of the
+    workdir: one sandbox id can run under two daemons of one kernel at once (a sandbox
+    moving between two hosts of a test fleet), and neither may take the other's socket."""
     path = spec.workdir / name
     if len(str(path)) <= _SUN_PATH_MAX:
         return path
     SHORT_SOCKET_DIR.mkdir(parents=True, exist_ok=True)
-    return SHORT_SOCKET_DIR / f"{spec.vm_id}.{name}"
+    where = hashlib.sha256(os.fsencode(spec.workdir)).hexdigest()[:8]
+    return SHORT_SOCKET_DIR / f"{spec.vm_id}-{where}.{name}"
 
 
 def _disk_format(disk: Path) -> str:
@@ -113,6 +133,7 @@ class QemuDriver(Driver):
         self.console_log_bytes = console_log_bytes
         self._qmp = QMPClient()
         self._console: ConsoleLog | None = None
+        self.resumed_at: float | None = None  # an incoming migration's RESUME (wall clock)
 
     async def _boot(self, spec: VMSpec) -> None:
         await self._spawn(spec, [])
@@ -195,18 +216,229 @@ class QemuDriver(Driver):
         finally:
             await self._stop_console()
             if self.spec is not None:
-                for name in (CONSOLE_SOCKET, MIGRATE_SOCKET):  # may live under /run/agentbox
+                for name in (CONSOLE_SOCKET, MIGRATE_SOCKET, NBD_SOCKET, INCOMING_SOCKET,
+                             OUT_DISK_SOCKET, OUT_RAM_SOCKET):  # may be under /run/agentbox
                     socket_path(self.spec, name).unlink(missing_ok=True)
                 if self.cgroups is not None:
                     await asyncio.to_thread(self.cgroups.remove, self.spec.vm_id)
+
+    # -- live migration (vmctl.migrate) ---------------------------------------------
+
+    async def listen_incoming(self, spec: VMSpec) -> dict[str, Path]:
+        """Start QEMU for ``spec`` waiting for a live migration: its disk exported
+        (writable) over NBD for the source's mirror, its migration stream awaited, the
+        guest held (``-S``) until ``finish_incoming``. Returns the Unix sockets QEMU
+        listens on (host paths; only the daemon connects to them), by channel."""
+        async def start(s: VMSpec) -> None:
+            await self._spawn(s, ["-S", "-incoming", "defer"])
+            await self._set_live_capabilities(outgoing=False)
+            await self._qmp.execute("nbd-server-start", {"addr": {
+                "type": "unix", "data": {"path": str(_qemu_side(s, NBD_SOCKET))}}})
+            await self._qmp.execute("nbd-server-add", {"device": "root", "name": NBD_EXPORT,
+                                                       "writable": True})
+            await self._qmp.execute("migrate-incoming",
+                                    {"uri": f"unix:{_qemu_side(s, INCOMING_SOCKET)}"})
+        await self._start(spec, start)
+        return {"disk": _host_side(spec, NBD_SOCKET), "ram": _host_side(spec, INCOMING_SOCKET)}
+
+    async def finish_incoming(self, before_resume: Callable[[], None], timeout: float) -> None:
+        """Wait until the migration stream has loaded, stop the NBD export (the source's
+        mirror ended before the stream's last part was sent) and let the guest run."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            info = await self._qmp.execute("query-migrate")
+            status = info.get("status")
+            if status == "completed":
+                break
+            if status in ("failed", "cancelled"):
+                raise MigrationError(f"incoming migration {status}: {info.get('error-desc', '')}")
+            if loop.time() > deadline:
+                raise VMTimeoutError(f"incoming migration did not finish within {timeout}s")
+            await asyncio.sleep(_MIGRATION_POLL_S * 5)
+        await self._qmp.execute("nbd-server-stop")
+        await self._wait_running(timeout=max(1.0, deadline - loop.time()),
+                                 before_resume=before_resume)
+        with contextlib.suppress(VMTimeoutError):
+            self.resumed_at = _event_time(await self._qmp.wait_event("RESUME", 1.0))
+
+    async def send_live(self, connect: Connect, timeout: float,
+                        live: bool | None = None) -> LiveStats:
+        """Migrate the running VM out: its disk's top layer mirrored to the destination's
+        NBD export while the guest runs, then RAM and devices by ``migrate``. The mirror is
+        ended (in sync) while the source is stopped before the switch-over, so the
+        destination's disk is whole before its device state arrives.
+
+        ``live``: RAM too is copied while the guest runs (pre-copy), and the guest stops
+        only for the last dirty pages. None (the default) decides by ``live_ram_safe``:
+        under TCG before QEMU 9.0 the guest is stopped before RAM is sent (see there).
+
+        ``connect(channel)`` opens the stream for "disk" or "ram" to the destination. On
+        success the VM is stopped here (QEMU's ``postmigrate``): the caller starts the
+        destination, then destroys this VMM, or ``resume_after_send``. On failure or
+        cancellation the VM runs again here as before and the error is raised."""
+        assert self.spec is not None
+        spec, loop = self.spec, asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        started = time.monotonic()
+        mirrored = 0
+        async with contextlib.AsyncExitStack() as stack:
+            disk_path = await stack.enter_async_context(
+                _outbound(spec, OUT_DISK_SOCKET, "disk", connect))
+            ram_path = await stack.enter_async_context(
+                _outbound(spec, OUT_RAM_SOCKET, "ram", connect))
+            try:
+                await self._set_live_capabilities(outgoing=True)
+                await self._qmp.execute("migrate-set-parameters", {
+                    "max-bandwidth": 1 << 40, "downtime-limit": LIVE_DOWNTIME_MS})
+                await self._qmp.execute("blockdev-add", {
+                    "driver": "nbd", "node-name": MIRROR_NODE, "export": NBD_EXPORT,
+                    "server": {"type": "unix", "path": str(disk_path)}})
+                await self._qmp.execute("blockdev-mirror", {
+                    "job-id": MIRROR_JOB, "device": "root", "target": MIRROR_NODE,
+                    "sync": "top"})
+                mirrored = await self._wait_mirror(deadline, ready=True)
+                mirror_ms = (time.monotonic() - started) * 1000
+                if live is None:
+                    live = await self.live_ram_safe()
+                if not live:
+                    await self._qmp.execute("stop")
+                await self._qmp.execute("migrate", {"uri": f"unix:{ram_path}"})
+                await self._wait_outgoing(deadline, {"pre-switchover"})
+                # The guest is stopped now. End the mirror (a cancel after READY waits until
+                # the target holds every write), then let the last of the stream go.
+                await self._qmp.execute("block-job-cancel", {"device": MIRROR_JOB})
+                await self._wait_mirror(deadline, ready=False)
+                await self._qmp.execute("blockdev-del", {"node-name": MIRROR_NODE})
+                await self._qmp.execute("migrate-continue", {"state": "pre-switchover"})
+                info = await self._wait_outgoing(deadline, {"completed"})
+            except BaseException:
+                await asyncio.shield(self._undo_send())
+                raise
+        ram = info.get("ram") or {}
+        return LiveStats(mirror_ms=mirror_ms, send_ms=(time.monotonic() - started) * 1000,
+                         downtime_ms=float(info.get("downtime") or 0),
+                         stopped_at=self._stop_time(), ram_bytes=int(ram.get("transferred") or 0),
+                         disk_bytes=mirrored, live=bool(live))
+
+    async def live_ram_safe(self) -> bool:
+        """Whether this VMM tracks every guest write while RAM is copied live.
+
+        KVM does (its dirty log). TCG in QEMU before 9.0 does not: syncing the dirty bitmap
+        a word at a time clears bits without resetting the vCPUs' TLB entries that skip
+        dirty marking, so later writes through them are lost (QEMU commit "system/physmem:
+        Fix migration dirty bitmap coherency with TCG memory access", 2024, in 9.0). We saw
+        it here: a guest serving network traffic during the copy came up on the destination
+        with a corrupt virtqueue or crashed, in 2 of 5 runs. There the guest is stopped
+        before RAM is sent (stop and copy): a longer pause, never a corrupt guest."""
+        assert self.spec is not None
+        if self.spec.accel is Accel.KVM:
+            return True
+        version = (await self._qmp.execute("query-version")).get("qemu") or {}
+        return int(version.get("major") or 0) >= 9
+
+    async def resume_after_send(self) -> None:
+        """After ``send_live`` succeeded but the destination did not start: run here again
+        (``cont`` re-activates the disk QEMU handed over at the end of the stream)."""
+        with contextlib.suppress(VmctlError):
+            await self._qmp.execute("migrate-set-capabilities", {"capabilities": [
+                {"capability": "pause-before-switchover", "state": False}]})
+        if await self._is_paused() or (await self._qmp.execute("query-status")).get(
+                "status") != "running":
+            await self._qmp.execute("cont")
+
+    async def _set_live_capabilities(self, outgoing: bool) -> None:
+        # x-ignore-shared off: RAM is shared with its file here, but the destination's file
+        # is another host's, so RAM must travel (a restore or snapshot sets it on again).
+        caps = [{"capability": "x-ignore-shared", "state": False}]
+        if outgoing:
+            caps.append({"capability": "pause-before-switchover", "state": True})
+        await self._qmp.execute("migrate-set-capabilities", {"capabilities": caps})
+
+    async def _wait_mirror(self, deadline: float, ready: bool) -> int:
+        """Until the mirror job is READY (``ready``) or gone; returns the bytes it copied."""
+        loop = asyncio.get_running_loop()
+        offset = 0
+        while True:
+            jobs = [j for j in await self._qmp.execute("query-block-jobs")
+                    if j.get("device") == MIRROR_JOB]
+            if not jobs:
+                if ready:
+                    raise MigrationError("the disk mirror ended before it was in sync: "
+                                         f"{self._job_error()}")
+                return offset
+            job = jobs[0]
+            offset = int(job.get("offset") or 0)
+            if job.get("status") == "concluded" or job.get("error"):
+                raise MigrationError(f"the disk mirror failed: {job.get('error') or 'concluded'}")
+            if ready and job.get("ready"):
+                return offset
+            if loop.time() > deadline:
+                raise VMTimeoutError("the disk mirror did not " +
+                                     ("reach sync" if ready else "end") + " in time")
+            await asyncio.sleep(0.02)
+
+    def _job_error(self) -> str:
+        for ev in self._qmp.events:
+            if ev.get("event") in ("BLOCK_JOB_COMPLETED", "BLOCK_JOB_CANCELLED"):
+                return str(ev.get("data", {}).get("error", ev.get("event")))
+        return "no reason given"
+
+    def _stop_time(self) -> float | None:
+        """When the source's vCPUs stopped for the switch-over (QMP's STOP event, wall clock)."""
+        for ev in reversed(self._qmp.events):
+            if ev.get("event") == "STOP":
+                return _event_time(ev)
+        return None
+
+    async def _wait_outgoing(self, deadline: float, want: set[str]) -> dict:
+        loop = asyncio.get_running_loop()
+        while True:
+            info = await self._qmp.execute("query-migrate")
+            status = info.get("status")
+            if status in want:
+                return info
+            if status in ("failed", "cancelled", "cancelling", None):
+                raise MigrationError(f"migration {status}: {info.get('error-desc', '')}")
+            if loop.time() > deadline:
+                raise VMTimeoutError(f"migration still {status!r} at its deadline")
+            await asyncio.sleep(_MIGRATION_POLL_S * 5)
+
+    async def _undo_send(self) -> None:
+        """Back to where ``send_live`` started, whatever step failed: no migration, no
+        mirror, no NBD client, the guest running. Best effort, step by step."""
+        with contextlib.suppress(VmctlError):
+            info = await self._qmp.execute("query-migrate")
+            if info.get("status") not in (None, "completed", "failed", "cancelled"):
+                await self._qmp.execute("migrate_cancel")
+                for _ in range(500):  # the stream's thread winds down
+                    status = (await self._qmp.execute("query-migrate")).get("status")
+                    if status in ("failed", "cancelled", "completed"):
+                        break
+                    await asyncio.sleep(0.02)
+        with contextlib.suppress(VmctlError):
+            if any(j.get("device") == MIRROR_JOB
+                   for j in await self._qmp.execute("query-block-jobs")):
+                await self._qmp.execute("block-job-cancel", {"device": MIRROR_JOB,
+                                                             "force": True})
+                for _ in range(500):
+                    if not any(j.get("device") == MIRROR_JOB
+                               for j in await self._qmp.execute("query-block-jobs")):
+                        break
+                    await asyncio.sleep(0.02)
+        with contextlib.suppress(VmctlError):
+            await self._qmp.execute("blockdev-del", {"node-name": MIRROR_NODE})
+        with contextlib.suppress(VmctlError):
+            await self.resume_after_send()
 
     # -- helpers ---------------------------------------------------------------
 
     async def _spawn(self, spec: VMSpec, extra: list[str], pass_fds: tuple[int, ...] = ()) -> None:
         self.control_socket = control_socket_path(spec)
         console_socket = socket_path(spec, CONSOLE_SOCKET)
-        for stale in (self.control_socket, console_socket, spec.workdir / MIGRATE_SOCKET,
-                      socket_path(spec, MIGRATE_SOCKET)):
+        for stale in (self.control_socket, console_socket, *(
+                p for name in (MIGRATE_SOCKET, NBD_SOCKET, INCOMING_SOCKET)
+                for p in (spec.workdir / name, socket_path(spec, name)))):
             stale.unlink(missing_ok=True)
         argv = qemu_argv(spec, self.control_socket, self.binary, console_socket) + extra
         if spec.netns is not None:
@@ -299,6 +531,59 @@ class QemuDriver(Driver):
             if loop.time() > deadline:
                 raise VMTimeoutError(f"snapshot did not finish within {timeout}s")
             await asyncio.sleep(_MIGRATION_POLL_S)
+
+
+def _event_time(event: dict) -> float:
+    """A QMP event's timestamp (the VMM host's wall clock)."""
+    ts = event.get("timestamp") or {}
+    return float(ts.get("seconds", 0)) + float(ts.get("microseconds", 0)) / 1e6
+
+
+def _qemu_side(spec: VMSpec, name: str) -> Path:
+    """Where QEMU finds a socket of its directory (its chroot's root when confined)."""
+    return Path("/") / name if spec.confinement else socket_path(spec, name)
+
+
+def _host_side(spec: VMSpec, name: str) -> Path:
+    """Where the daemon finds the same socket."""
+    return spec.workdir / name if spec.confinement else socket_path(spec, name)
+
+
+@contextlib.asynccontextmanager
+async def _outbound(spec: VMSpec, name: str, channel: str, connect: Connect):  # type: ignore[no-untyped-def]
+    """A socket in the VM's directory that its QEMU connects to, each connection spliced
+    to ``connect(channel)``; yields the path QEMU uses."""
+    relays: set[asyncio.Task] = set()
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        relays.add(task)
+        try:
+            try:
+                other = await connect(channel)
+            except BaseException:
+                writer.close()  # QEMU sees its stream end: its migration or mirror fails
+                raise
+            await streams.splice((reader, writer), other)
+        finally:
+            relays.discard(task)
+
+    path = _host_side(spec, name)
+    server = await streams.listen_unix(path, relay)
+    failed = True
+    try:
+        confine.chown_private(path, spec.confinement)
+        yield _qemu_side(spec, name)
+        failed = False
+    finally:
+        server.close()
+        path.unlink(missing_ok=True)
+        if not failed and relays:  # the stream's tail may still be on its way
+            await asyncio.wait(set(relays), timeout=RELAY_DRAIN_S)
+        for task in list(relays):
+            task.cancel()
+        await asyncio.gather(*relays, return_exceptions=True)
 
 
 @contextlib.asynccontextmanager

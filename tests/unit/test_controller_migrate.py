@@ -1,0 +1,100 @@
+"""A sandbox's move to another host as its controller runs it (gateway/sandbox/controller.py,
+op MIGRATE): requests arriving meanwhile are held; after a move they are refused with
+SandboxMoved (the routing middleware sends them on), after a failed move admitted here."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.errors import OwnerUnavailable, SandboxMoved
+from gateway.sandbox.states import State
+from tests.unit.test_controller import FakeMachine, make, one_request, registry  # noqa: F401
+
+
+async def test_held_requests_go_to_the_new_owner_after_the_move(registry) -> None:  # noqa: F811
+    ctl, m = make(registry, state=State.RUNNING)
+    release = asyncio.Event()
+
+    async def move() -> None:
+        await release.wait()
+
+    outcome = ctl.start_migrate("host-b", move)
+    held = [asyncio.ensure_future(one_request(ctl)) for _ in range(3)]
+    await asyncio.sleep(0.05)
+    assert not any(h.done() for h in held) and ctl.entering == 3
+    release.set()
+    await outcome
+    results = await asyncio.gather(*held, return_exceptions=True)
+    assert all(isinstance(r, SandboxMoved) and r.host == "host-b" and "sb1" in str(r)
+               for r in results), results
+    assert ctl.state is State.DESTROYED and ("destroy",) in m.calls
+    assert registry.get("sb1").state is State.DESTROYED
+    assert registry.transitions("sb1")[-1]["cause"] == "moved to host host-b"
+
+
+async def test_a_request_using_the_guest_at_the_switch_is_answered_not_resent(
+        registry) -> None:  # noqa: F811
+    ctl, m = make(registry, state=State.RUNNING)
+    release = asyncio.Event()
+
+    async def move() -> None:
+        await release.wait()
+
+    busy = asyncio.ensure_future(one_request(ctl, hold=5.0))
+    await asyncio.sleep(0.02)
+    outcome = ctl.start_migrate("host-b", move)
+    release.set()
+    await outcome
+    with pytest.raises(OwnerUnavailable) as err:
+        await busy
+    assert not isinstance(err.value, SandboxMoved)
+
+
+class LiveDriver:
+    pid = 4242
+
+    def alive(self) -> bool:
+        return True
+
+
+async def test_a_failed_move_admits_the_held_requests_here_without_its_error(
+        registry) -> None:  # noqa: F811
+    ctl, m = make(registry, state=State.RUNNING)
+    m.driver = LiveDriver()  # vmctl left the VM running here
+
+    async def move() -> None:
+        await asyncio.sleep(0.05)
+        raise RuntimeError("destination died")
+
+    outcome = ctl.start_migrate("host-b", move)
+    held = [asyncio.ensure_future(one_request(ctl)) for _ in range(3)]
+    with pytest.raises(RuntimeError, match="destination died"):
+        await outcome
+    results = await asyncio.gather(*held)
+    assert len(results) == 3 and not any(w.woke and m.cold_boots for w in results)
+    assert ctl.state is State.RUNNING and ctl.serving and m.cold_boots == 0
+    assert [t["event"] for t in registry.transitions("sb1")][-1] == "created"  # nothing new
+    assert ctl.metrics.events["migrate_failed"] == 1
+
+
+async def test_a_move_that_lost_the_vm_fails_the_sandbox(registry) -> None:  # noqa: F811
+    ctl, m = make(registry, state=State.RUNNING)  # m.driver is None: the VMM is gone
+
+    async def move() -> None:
+        raise RuntimeError("source VMM crashed")
+
+    with pytest.raises(RuntimeError):
+        await ctl.start_migrate("host-b", move)
+    assert ctl.state is State.FAILED
+
+
+async def test_only_a_serving_sandbox_moves(registry) -> None:  # noqa: F811
+    ctl, _ = make(registry, state=State.SUSPENDED)
+
+    async def move() -> None:
+        raise AssertionError("not expected")
+
+    with pytest.raises(Exception, match="suspended"):
+        ctl.start_migrate("host-b", move)
