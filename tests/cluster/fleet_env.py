@@ -182,6 +182,20 @@ def vmm_pids_for(text: str) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
+def _sweep_cgroups(data_dir: Path) -> list[str]:
+    """Remove the VMM cgroups a daemon of ``data_dir`` left (a killed host not restarted);
+    returns their names."""
+    from vmctl import cgroup
+
+    hierarchy = cgroup.Hierarchy.detect()
+    if hierarchy is None:
+        return []
+    manager = cgroup.CgroupManager(hierarchy, cgroup.daemon_parent(data_dir))
+    swept = manager.sweep(set())
+    manager.remove_parent()
+    return swept
+
+
 def _kill_and_reap(pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -460,6 +474,8 @@ class Fleet:
             if vmms:
                 left.append(f"{host.name}: VMMs {vmms}")
                 _kill_and_reap(vmms)
+            with contextlib.suppress(Exception):
+                left += [f"{host.name}: cgroup {c}" for c in _sweep_cgroups(host.data_dir)]
         if self._weed is not None:
             with contextlib.suppress(Exception):
                 self.loop.run(self._weed.aclose(), timeout=30)
