@@ -262,8 +262,9 @@ class Fleet:
         self.admin_key = (self.hosts[0].data_dir / "admin.key").read_text().strip()
         # The first host's key reaches the others through etcd (its key ring).
         for host in self.hosts[1:]:
-            self.wait_for(lambda h=host: self.client(h).get("/v1/sandboxes").status_code
-                          == 200, 30, f"the admin key valid on {host.name}")
+            client = self.client(host)
+            self.wait_for(lambda c=client: c.get("/v1/sandboxes").status_code == 200, 30,
+                          f"the admin key valid on {host.name}")
         return time.monotonic() - begin
 
     def _start_weed(self) -> None:
