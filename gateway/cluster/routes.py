@@ -118,6 +118,10 @@ class RouteCache:
     def route(self, sandbox_id: str) -> Route | None:
         return self.table.route(sandbox_id)
 
+    def host_live(self, name: str) -> bool:
+        """Whether host ``name`` has a record (is live to the fleet)."""
+        return name in self.table.hosts
+
     def addresses(self) -> set[str]:
         """The IP (or name) part of every live host's advertised address."""
         return {h.address.rsplit(":", 1)[0].strip("[]") for h in self.table.hosts.values()}

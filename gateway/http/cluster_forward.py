@@ -15,8 +15,6 @@ node also refuses creates (``POST /v1/sandboxes``): it could not publish their r
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from aiohttp import web
 
 from gateway.cluster import routing
@@ -70,7 +68,7 @@ async def cluster_middleware(request: web.Request, handler: Handler) -> web.Stre
         if isinstance(decision, routing.Forward):
             return await request.app[FORWARDER_KEY].forward(
                 request, decision.host, decision.address,
-                live=_still_owner(node, sandbox_id, decision.host))
+                live=lambda host=decision.host: node.routes.host_live(host))
         if isinstance(decision, routing.Refuse):
             raise _REFUSALS[decision.code](decision.message)
     except ApiError as exc:
@@ -81,15 +79,6 @@ async def cluster_middleware(request: web.Request, handler: Handler) -> web.Stre
                                request.headers.get("X-Forwarded-For", ""),
                                node.routes.addresses())
     return await handler(request.clone(remote=client) if client else request)
-
-
-def _still_owner(node: ClusterNode, sandbox_id: str, host: str) -> Callable[[], bool]:
-    """Whether the route cache still names ``host``, live, as the sandbox's owner (what
-    is in flight to it is ended when not: gateway.preview.forward)."""
-    def live() -> bool:
-        route = node.routes.route(sandbox_id)
-        return route is not None and route.live and route.host == host
-    return live
 
 
 async def _create(request: web.Request, handler: Handler, node: ClusterNode
