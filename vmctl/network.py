@@ -125,7 +125,8 @@ def slot_for(index: int, vm_id: str, config: NetworkConfig) -> NetSlot:
     base = ipaddress.ip_network(config.pool).network_address + 4 * index
     # The host-side name derives from the address, so two daemons with different pools
     # on one host can never collide on interface names.
-    return NetSlot(index=index, netns=config.netns_prefix + vm_id, host_if=f"ab{int(base) & 0xffffff:06x}",
+    return NetSlot(index=index, netns=config.netns_prefix + vm_id,
+                   host_if=f"ab{int(base) & 0xffffff:06x}",
                    host_addr=str(base + 1), guest_addr=str(base + 2))
 
 

@@ -129,7 +129,7 @@ class RouteCache:
         return self.table.route(sandbox_id)
 
     def host_live(self, name: str) -> bool:
-        """Whether ``name`` has a host record (it is live to the fleet)."""
+        """Whether host ``name`` has a record (is live to the fleet)."""
         return name in self.table.hosts
 
     def addresses(self) -> set[str]:

@@ -15,8 +15,6 @@ node also refuses creates (``POST /v1/sandboxes``): it could not publish their r
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from aiohttp import web
 
 from gateway.cluster import routing
@@ -72,7 +70,7 @@ async def cluster_middleware(request: web.Request, handler: Handler) -> web.Stre
         if isinstance(decision, routing.Forward):
             return await request.app[FORWARDER_KEY].forward(
                 request, decision.host, decision.address,
-                live=_still_owner(node, sandbox_id, decision.host))
+                live=lambda host=decision.host: node.routes.host_live(host))
         if isinstance(decision, routing.Refuse):
             raise _REFUSALS[decision.code](decision.message)
     except ApiError as exc:
@@ -102,18 +100,6 @@ async def _to_new_owner(request: web.Request, node: ClusterNode, moved: SandboxM
                                     moved.headers)
         raise moved
     return await request.app[FORWARDER_KEY].forward(request, owner.name, owner.address)
-
-
-def _still_owner(node: ClusterNode, sandbox_id: str, host: str) -> Callable[[], bool]:
-    """Whether ``host`` is still live in the fleet (what is in flight to it is ended when
-    not: gateway.preview.forward). Not whether it still owns the sandbox: a drain moves the
-    record while the old owner still holds requests, which it then sends on to the new one."""
-    def live() -> bool:
-        route = node.routes.route(sandbox_id)
-        if route is not None and route.host == host:
-            return route.live
-        return node.routes.host_live(host)  # moved away (a drain): the old owner sends it on
-    return live
 
 
 async def _create(request: web.Request, handler: Handler, node: ClusterNode

@@ -18,7 +18,7 @@ as whole). A WebSocket the owner refuses is a 502 ``bad_gateway`` naming the own
 (its error body is not relayed).
 
 The owner leaving the fleet ends what is in flight to it: the caller's ``live()`` (the
-route cache still names that host, live, as the owner) is checked every
+route cache still has that host's record) is checked every
 ``LIVENESS_POLL`` seconds, and once false a request still waiting for its answer gets 504
 ``upstream_timeout`` (it may have run there: its outcome is unknown), a response being
 relayed is cut as above, and a spliced WebSocket is closed (1001). Without it, a request
@@ -121,8 +121,9 @@ class Forwarder:
 
     async def forward(self, request: web.Request, host: str, address: str,
                       live: Live | None = None) -> web.StreamResponse:
-        """``live``: whether ``host`` is still the sandbox's live owner (checked while the
-        request is in flight; None: not checked)."""
+        """``live``: whether ``host`` is still live in the fleet (checked while the request
+        is in flight; None: not checked). Not whether it still owns the sandbox: a DELETE
+        removes the sandbox's record before the owner answers it."""
         self.forwarded += 1
         url = URL(f"http://{address}{request.raw_path}", encoded=True)
         if is_websocket(request):

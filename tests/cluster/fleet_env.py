@@ -182,6 +182,20 @@ def vmm_pids_for(text: str) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
+def _sweep_cgroups(data_dir: Path) -> list[str]:
+    """Remove the VMM cgroups a daemon of ``data_dir`` left (a killed host not restarted);
+    returns their names."""
+    from vmctl import cgroup
+
+    hierarchy = cgroup.Hierarchy.detect()
+    if hierarchy is None:
+        return []
+    manager = cgroup.CgroupManager(hierarchy, cgroup.daemon_parent(data_dir))
+    swept = manager.sweep(set())
+    manager.remove_parent()
+    return swept
+
+
 def _kill_and_reap(pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -248,8 +262,9 @@ class Fleet:
         self.admin_key = (self.hosts[0].data_dir / "admin.key").read_text().strip()
         # The first host's key reaches the others through etcd (its key ring).
         for host in self.hosts[1:]:
-            self.wait_for(lambda h=host: self.client(h).get("/v1/sandboxes").status_code
-                          == 200, 30, f"the admin key valid on {host.name}")
+            client = self.client(host)
+            self.wait_for(lambda c=client: c.get("/v1/sandboxes").status_code == 200, 30,
+                          f"the admin key valid on {host.name}")
         return time.monotonic() - begin
 
     def _start_weed(self) -> None:
@@ -460,6 +475,8 @@ class Fleet:
             if vmms:
                 left.append(f"{host.name}: VMMs {vmms}")
                 _kill_and_reap(vmms)
+            with contextlib.suppress(Exception):
+                left += [f"{host.name}: cgroup {c}" for c in _sweep_cgroups(host.data_dir)]
         if self._weed is not None:
             with contextlib.suppress(Exception):
                 self.loop.run(self._weed.aclose(), timeout=30)

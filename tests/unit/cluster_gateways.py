@@ -32,6 +32,11 @@ class FakeRoutes:
             self.fleet
 
     fleet: set[str] = field(default_factory=set)  # more live hosts' IPs
+    hosts: set[str] = field(default_factory=set)  # live hosts that own no route here
+
+    def host_live(self, name: str) -> bool:
+        return name in self.hosts or any(r.host == name and r.address
+                                         for r in self.table.values())
 
     def host_live(self, name: str) -> bool:
         return any(r.host == name and r.address for r in self.table.values())

@@ -211,6 +211,35 @@ async def test_what_is_in_flight_ends_when_the_owner_leaves_the_fleet() -> None:
         await stall.wait_closed()
 
 
+async def test_a_delete_whose_record_goes_before_the_answer_gets_the_owners_answer() -> None:
+    """The owner removes a deleted sandbox's record before it answers the DELETE; the
+    forwarder waits for that answer (the owner is still live), it is not a 504."""
+    from aiohttp import web
+
+    async def slow_delete(request: web.Request) -> web.Response:
+        await asyncio.sleep(1.0)  # the record is gone from B's cache meanwhile
+        return web.Response(status=204)
+
+    owner = web.Application()
+    owner.router.add_delete("/v1/sandboxes/sbx1", slow_delete)
+    server_a = TestServer(owner, host="127.0.0.1")
+    await server_a.start_server()
+    b = FakeNode("host-b")
+    b.routes.hosts.add("host-a")
+    b.routes.table["sbx1"] = owned_by("host-a", f"127.0.0.1:{server_a.port}")
+    server_b = TestServer(build(b, set()), host="127.0.0.1")
+    await server_b.start_server()
+    try:
+        async with aiohttp.ClientSession() as http:
+            asyncio.get_running_loop().call_later(0.3, b.routes.table.pop, "sbx1")
+            async with http.delete(server_b.make_url("/v1/sandboxes/sbx1"),
+                                   headers=AUTH) as resp:
+                assert resp.status == 204
+    finally:
+        await server_b.close()
+        await server_a.close()
+
+
 async def test_a_spliced_websocket_is_closed_when_the_owner_leaves(fleet) -> None:
     _, b, server_a, server_b = fleet
     async with aiohttp.ClientSession() as http:

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
@@ -187,3 +188,13 @@ def test_control_socket_stays_within_the_unix_socket_limit(tmp_path):
     # one kernel) gets another socket.
     other = VMSpec(**{**deep.__dict__, "workdir": tmp_path / ("e" * 120)})
     assert control_socket_path(other) != path
+
+
+def test_an_adopted_vmms_console_is_found_beside_its_recorded_qmp_socket(tmp_path):
+    from vmctl.drivers.qemu import console_beside
+
+    assert console_beside(tmp_path / "qmp.sock") == tmp_path / "console.sock"
+    run = Path("/run/agentbox")
+    assert console_beside(run / "abc-0123abcd.qmp.sock") == run / "abc-0123abcd.console.sock"
+    assert console_beside(run / "abc.qmp.sock") == run / "abc.console.sock"  # older daemons
+

@@ -41,6 +41,7 @@ from vmctl.spec import Accel, SnapshotFiles, VMMRecord, VMSpec
 QEMU_BINARY = "qemu-system-x86_64"
 STATE_FILE = "vmstate"
 STATE_FD_NAME = "vmstate"  # the device-state file's name on QMP (getfd)
+QMP_SOCKET = "qmp.sock"
 MIGRATE_SOCKET = "migrate.sock"
 # Live migration (vmctl.migrate). The destination's QEMU listens on two sockets in its own
 # directory (its chroot), which only the daemon connects to; the source's QEMU connects to
@@ -102,7 +103,7 @@ SHORT_SOCKET_DIR = Path("/run/agentbox")
 
 
 def control_socket_path(spec: VMSpec) -> Path:
-    return socket_path(spec, "qmp.sock")
+    return socket_path(spec, QMP_SOCKET)
 
 
 def socket_path(spec: VMSpec, name: str) -> Path:
@@ -116,6 +117,13 @@ def socket_path(spec: VMSpec, name: str) -> Path:
     SHORT_SOCKET_DIR.mkdir(parents=True, exist_ok=True)
     where = hashlib.sha256(os.fsencode(spec.workdir)).hexdigest()[:8]
     return SHORT_SOCKET_DIR / f"{spec.vm_id}-{where}.{name}"
+
+
+def console_beside(control_socket: Path) -> Path:
+    """The console socket of a VMM whose QMP socket is ``control_socket`` (as recorded:
+    not recomputed, since a VMM an older daemon started may have an older short name)."""
+    return control_socket.with_name(
+        control_socket.name.removesuffix(QMP_SOCKET) + CONSOLE_SOCKET)
 
 
 def _disk_format(disk: Path) -> str:
@@ -172,8 +180,9 @@ class QemuDriver(Driver):
         await self._wait_running(timeout=30.0, before_resume=before_resume)
 
     async def _adopt(self, record: VMMRecord) -> None:
-        await self._qmp.connect(Path(record.control_socket), timeout=5.0)
-        self._start_console()
+        control = Path(record.control_socket)
+        await self._qmp.connect(control, timeout=5.0)
+        self._start_console(console_beside(control))
 
     async def resize_disk(self, size_bytes: int) -> None:
         # Raises the qcow2 overlay's virtual size and sends the guest a config change.
@@ -477,9 +486,9 @@ class QemuDriver(Driver):
             return []
         return self.cgroups.create(spec.vm_id, c.limits)
 
-    def _start_console(self) -> None:
+    def _start_console(self, console_socket: Path | None = None) -> None:
         assert self.spec is not None
-        self._console = ConsoleLog(socket_path(self.spec, CONSOLE_SOCKET),
+        self._console = ConsoleLog(console_socket or socket_path(self.spec, CONSOLE_SOCKET),
                                    self.spec.workdir / CONSOLE_LOG, self.console_log_bytes)
         self._console.start()
 
