@@ -38,9 +38,6 @@ class FakeRoutes:
         return name in self.hosts or any(r.host == name and r.address
                                          for r in self.table.values())
 
-    def host_live(self, name: str) -> bool:
-        return any(r.host == name and r.address for r in self.table.values())
-
 
 @dataclass
 class FakeNode:
