@@ -79,7 +79,7 @@ class Local:
 
 
 class Adopter:
-    def __init__(self, host: str, store: Store, ownership: Ownership,
+    def __init__(self, host: str, store: Store | None, ownership: Ownership,
                  lease: Callable[[], int], local: Local | None = None, *,
                  max_adoptions: int = 2, retries: int = 3, backoff: float = 1.0) -> None:
         self.host, self.store, self.ownership, self.lease = host, store, ownership, lease
@@ -141,8 +141,12 @@ class Adopter:
         assert self.local is not None, "the app wires the sandbox layer first"
         local = self.local
 
+        store = self.store
+        if store is None:
+            raise ClusterError("this host has no object store configured to fetch it from")
+
         async def fetched(dest: Path) -> tuple[str, dict[str, Any]]:
-            index = await fetch(self.store, record.snapshot, dest, base=local.bases())
+            index = await fetch(store, record.snapshot, dest, base=local.bases())
             return index.base, index.meta
 
         async with self._gate:

@@ -223,8 +223,9 @@ def _bases_of(config: Config) -> Callable[[], Collection[str]]:
 
 
 def _adopt_through(service: SandboxService, node: cluster_node.ClusterNode) -> None:
-    """[cluster] with an object store: records moved here are adopted (fetched and
-    registered SUSPENDED), local copies of records moved away are destroyed."""
+    """[cluster] on: records moved here are adopted (fetched from the object store and
+    registered SUSPENDED; FAILED ones with their last disk or with nothing), local copies
+    of records moved away are destroyed."""
     if node.adopter is None:
         return
     from functools import partial

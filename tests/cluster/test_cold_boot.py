@@ -8,8 +8,9 @@ records FAILED to the survivor B with the reason. B registers the first one FAIL
 its last shipped disk only, and a request through B cold-boots that disk: the file written
 before the suspend is there byte for byte, the one written after is not (its memory and
 what it wrote since the last suspend died with A), the process is gone. The second one is
-registered FAILED with nothing: a request is answered 410 ``sandbox_lost`` at once, and
-DELETE removes it (its record too).
+registered FAILED with nothing: a request is answered 410 ``sandbox_lost`` at once. A
+then comes back: it destroys its stale copies and forwards requests for them to B; a
+DELETE through A removes the lost one on B (its record too).
 """
 
 from __future__ import annotations
@@ -103,7 +104,19 @@ def test_a_dead_hosts_running_sandbox_cold_boots_elsewhere_from_its_last_disk(
     assert r.status_code == 410 and r.json()["error"]["code"] == "sandbox_lost", r.text
     assert "delete it" in r.json()["error"]["message"]
     assert on_b.get(f"/v1/sandboxes/{bare}").json()["state"] == "failed"
-    assert on_b.delete(f"/v1/sandboxes/{bare}").status_code == 204
+
+    # A comes back: both records are B's now (gen went up), so A destroys its stale copies
+    # and forwards requests for them to B; a DELETE through A frees the lost one on B.
+    fleet.restart(a)
+    for gone in (sid, bare):
+        fleet.wait_for(lambda g=gone: not (a.data_dir / "sandboxes" / g).exists(), 60,
+                       f"{a.name} drops its copy of {gone}")
+    on_a = fleet.client(a)
+    r = on_a.post(f"/v1/sandboxes/{sid}/execute", json={"command": "cat /root/before.bin | wc -c"})
+    assert r.status_code == 200 and r.json()["stdout"].strip() == str(len(before)), r.text
+    assert on_a.post(f"/v1/sandboxes/{bare}/execute", json={"command": "true"}).status_code \
+        == 410
+    assert on_a.delete(f"/v1/sandboxes/{bare}").status_code == 204
     assert on_b.get(f"/v1/sandboxes/{bare}").status_code == 404
     fleet.wait_for(lambda: fleet.record(bare) is None, 30, "the deleted one's record goes")
     assert not (b.data_dir / "sandboxes" / bare).exists()
