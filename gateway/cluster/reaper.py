@@ -181,7 +181,8 @@ async def reap(ownership: Ownership, dead: str, live: list[HostRecord], *,
     """One pass for the dead host ``dead``: read every record, decide, apply each action
     as a compare-and-set guarded by the reaper's leadership (``LeaderKey.guard()``), so a
     deposed reaper changes nothing. A record that changed since it was read (its owner
-    came back, another pass moved it) is skipped: the next pass reads it again. The actions that landed (and the waits) are returned."""
+    came back, another pass moved it) is skipped: the next pass reads it again. The
+    actions that landed (and the waits) are returned."""
     _, records = await ownership.list()
     by_id = {sid: v for sid, v in records.items() if v.record.host == dead}
     done: list[Action] = []
