@@ -94,6 +94,14 @@ class TemplateNotFound(NotFound):
     code = "template_not_found"
 
 
+class SandboxLost(ApiError):
+    """The sandbox is FAILED with nothing left to boot (no disk: its host died before any
+    of it was shipped, or its disk is gone). Only its deletion helps (docs/cluster.md)."""
+
+    status = 410
+    code = "sandbox_lost"
+
+
 class QuotaExceeded(Conflict):
     """A key's quota (gateway.tenancy.quotas): the tenant can delete or suspend, then retry."""
 
@@ -149,6 +157,9 @@ ERROR_CODES: dict[str, str] = {
     "session_not_found": "no such named session",
     "key_not_found": "no such API key",
     "method_not_allowed": "the route exists, not with this method (405)",
+    # 410: what existed and is gone
+    "sandbox_lost": "410: the sandbox failed with nothing left to boot (its host died "
+                    "before its disk was shipped); see its failure, then delete it",
     # 409: the state
     "conflict": "the sandbox's state does not allow this",
     "build_running": "a build of that template name is already running for this key",

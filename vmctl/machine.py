@@ -76,11 +76,13 @@ class RestoreError(VmctlError):
     status = 502
 
     def __init__(self, message: str, guest_started: bool,
-                 snapshot_unusable: bool = False, vmm_died: bool = False) -> None:
+                 snapshot_unusable: bool = False, vmm_died: bool = False,
+                 disk_missing: bool = False) -> None:
         super().__init__(message)
         self.guest_started = guest_started
         self.snapshot_unusable = snapshot_unusable
         self.vmm_died = vmm_died
+        self.disk_missing = disk_missing  # a cold boot found no disk: nothing can boot it
 
 
 SYNC_TIMEOUT_S = 20.0  # guest filesystems flushed before a snapshot (cold-boot fallback)
@@ -424,6 +426,9 @@ class Machine:
 
         The fallback when the memory snapshot is unusable: files survive, processes do not."""
         started = time.monotonic()
+        if not self.spec.disk.exists():  # e.g. its host died before any of it was shipped
+            raise RestoreError("the sandbox has no disk to boot", guest_started=False,
+                               disk_missing=True)
         await self._stop_seal()
         await self._close_agent()
         shutil.rmtree(self.snapshot_dir, ignore_errors=True)

@@ -6,7 +6,11 @@ with all of them after a listing: start-up, rejoin, relist). ``decide`` (no I/O)
 - **adopt**: the record names this host, SUSPENDED with a shipped snapshot, and the
   registry has no row for it (or only the DESTROYED row of an eviction): a reaper (or a
   drain) moved it here. The snapshot is fetched and registered by the sandbox layer
-  (gateway.sandbox.adoption, through the ``local`` callables the app wires);
+  (gateway.sandbox.adoption, through the ``local`` callables the app wires). The same
+  for a record FAILED with a reason (the reaper moved it here off a dead host, its
+  memory lost): registered FAILED with only its snapshot's disk (a request cold-boots
+  it), or with nothing if it has no snapshot or the fetch fails (a request is answered
+  ``sandbox_lost``), so its owner sees why and can delete it;
 - **evict**: the record names another host while this host has a live local copy: it was
   moved while this host was cut off or down (its gen went up), so the local copy must not
   serve (or be republished): it is destroyed (VMM, namespace, files);
@@ -14,8 +18,9 @@ with all of them after a listing: start-up, rejoin, relist). ``decide`` (no I/O)
 
 At most ``max_adoptions`` run at once, one per sandbox. An adoption that fails for a
 reason a retry cannot fix (a corrupt or foreign snapshot, no golden of its base, no slot)
-marks the record FAILED with the reason, by compare-and-set under this host's lease; the
-shipped snapshot stays in the object store (nothing deletes it). An object store that
+marks the record FAILED with the reason, by compare-and-set under this host's lease, and
+registers it here FAILED with nothing; the shipped snapshot stays in the object store
+(nothing deletes it). An object store that
 does not answer is retried (``retries``, with back-off) before that. ``adopt(record)``
 is the same work for a caller that moved a record itself (drain) and wants the outcome.
 """
@@ -49,7 +54,11 @@ def decide(me: str, record: SandboxRecord, local: State | None, adoptable: bool)
     """(No I/O.) ``local``: the state of this host's row for it (None: no live row);
     ``adoptable``: the registry would take it (gateway.sandbox.adoption.adoptable)."""
     if record.host == me:
-        if record.state is State.SUSPENDED and record.snapshot and local is None and adoptable:
+        if local is not None or not adoptable:
+            return None
+        if record.state is State.SUSPENDED and record.snapshot:
+            return Do.ADOPT
+        if record.state is State.FAILED and record.reason:  # the reaper's, or an adoption's
             return Do.ADOPT
         return None
     if local is not None and local is not State.DESTROYED:
@@ -70,7 +79,7 @@ class Local:
 
 
 class Adopter:
-    def __init__(self, host: str, store: Store, ownership: Ownership,
+    def __init__(self, host: str, store: Store | None, ownership: Ownership,
                  lease: Callable[[], int], local: Local | None = None, *,
                  max_adoptions: int = 2, retries: int = 3, backoff: float = 1.0) -> None:
         self.host, self.store, self.ownership, self.lease = host, store, ownership, lease
@@ -125,21 +134,27 @@ class Adopter:
     def working(self) -> int:
         return len(self._tasks)
 
-    async def adopt(self, record: SandboxRecord) -> Any:
+    async def adopt(self, record: SandboxRecord, failed: str | None = None) -> Any:
         """Fetch ``record``'s snapshot and register it here (raises what went wrong; an
-        unreachable object store is retried first). Returns the registry row."""
+        unreachable object store is retried first). Returns the registry row. ``failed``:
+        registered FAILED with that reason and only the snapshot's disk."""
         assert self.local is not None, "the app wires the sandbox layer first"
         local = self.local
 
+        store = self.store
+        if store is None:
+            raise ClusterError("this host has no object store configured to fetch it from")
+
         async def fetched(dest: Path) -> tuple[str, dict[str, Any]]:
-            index = await fetch(self.store, record.snapshot, dest, base=local.bases())
+            index = await fetch(store, record.snapshot, dest, base=local.bases())
             return index.base, index.meta
 
         async with self._gate:
             for attempt in range(self.retries + 1):
                 try:
                     return await local.adopt(record.id, fetched, base=record.base,
-                                             from_host=f"the object store ({record.snapshot})")
+                                             from_host=f"the object store ({record.snapshot})",
+                                             failed=failed)
                 except ObjectStoreError as exc:
                     if attempt == self.retries:
                         raise
@@ -147,29 +162,56 @@ class Adopter:
                     await asyncio.sleep(self.backoff * 2 ** attempt)
 
     async def _adopt_or_fail(self, record: SandboxRecord) -> None:
+        failed = record.reason if record.state is State.FAILED else None
+        if record.snapshot:
+            try:
+                await self.adopt(record, failed)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                reason = f"adoption by {self.host} failed: {exc}"
+                if failed is not None:
+                    reason = f"{failed}; but {reason}"
+                reason = reason[:MAX_REASON]
+                self.failed[record.id] = reason
+                log.error("cluster: %s: %s (its snapshot stays at %s)", record.id, reason,
+                          record.snapshot)
+                if failed is None and not await self._mark_failed(record, reason):
+                    return
+                await self._register_lost(record, reason)
+                return
+            self.adopted.append(record.id)
+            return
+        await self._register_lost(record, record.reason)
+
+    async def _register_lost(self, record: SandboxRecord, reason: str) -> None:
+        """Register it FAILED with nothing (its owner sees ``reason`` and can delete it)."""
+        assert self.local is not None
+        meta = {"tenant": record.tenant, "template": record.template, "vcpus": record.vcpus,
+                "memory_mib": record.memory_mib, "disk_mib": record.disk_mib}
         try:
-            await self.adopt(record)
+            await self.local.adopt(record.id, None, base=record.base, failed=reason,
+                                   meta=meta, from_host="the fleet (nothing to restore)")
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            reason = f"adoption by {self.host} failed: {exc}"[:MAX_REASON]
-            self.failed[record.id] = reason
-            log.error("cluster: %s: %s (its snapshot stays at %s)", record.id, reason,
-                      record.snapshot)
-            await self._mark_failed(record, reason)
+            log.error("cluster: %s cannot be registered here even as lost: %s", record.id, exc)
+            self.failed[record.id] = f"{reason}; not registered: {exc}"[:MAX_REASON]
             return
         self.adopted.append(record.id)
 
-    async def _mark_failed(self, record: SandboxRecord, reason: str) -> None:
+    async def _mark_failed(self, record: SandboxRecord, reason: str) -> bool:
         """FAILED with ``reason``, only if the record is still the one we were given."""
         try:
             current = await self.ownership.get(record.id)
             if current is None or (current.record.host, current.record.gen, current.record.state) \
                     != (self.host, record.gen, State.SUSPENDED):
-                return
+                return False
             await self.ownership.update(current, self.lease(), state=State.FAILED, reason=reason)
         except ClusterError as exc:
             log.warning("cluster: marking %s FAILED: %s", record.id, exc)
+            return False
+        return True
 
     async def _evict(self, record: SandboxRecord) -> None:
         assert self.local is not None

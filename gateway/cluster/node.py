@@ -108,10 +108,13 @@ class ClusterNode:
         if config.objstore_endpoint:
             self.shipper, self._objstore = _shipper(config, Ownership(self.client, self.keys),
                                                     self._lease)
-            from gateway.cluster.adopter import Adopter
+        from gateway.cluster.adopter import Adopter
 
-            self.adopter = Adopter(config.host, self._objstore,
-                                   Ownership(self.client, self.keys), self._lease)
+        # Without an object store nothing is shipped, but the reaper still gives this host
+        # dead hosts' sandboxes FAILED: the adopter registers them (with nothing), so their
+        # owners see why and can delete them.
+        self.adopter = Adopter(config.host, self._objstore,
+                               Ownership(self.client, self.keys), self._lease)
         from gateway.cluster.election import Election
         from gateway.cluster.reaper import ReaperLoop
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from gateway.cluster.errors import ClusterError, OwnershipConflict
 from gateway.cluster.ownership import Ownership, Versioned
@@ -45,6 +46,10 @@ class Publisher:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.failures = 0
+        # Whose a sandbox is and its shape (the app wires the registry's row): named in
+        # the record when it is created, so a host the reaper gives it to can register it
+        # even if nothing of it was shipped (gateway.cluster.reaper).
+        self.describe: Callable[[str], dict[str, Any]] = lambda sandbox_id: {}
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"cluster-publisher:{self.host}")
@@ -106,7 +111,7 @@ class Publisher:
                     await self.ownership.delete(current, self.lease())
                 self._known.pop(sandbox_id, None)
             elif current is None:
-                record = SandboxRecord(sandbox_id, self.host, state)
+                record = SandboxRecord(sandbox_id, self.host, state, **self._described(sandbox_id))
                 self._known[sandbox_id] = await self.ownership.create(record, self.lease())
             elif current.record.state is not state:
                 changes: dict[str, object] = {"state": state}
@@ -114,6 +119,8 @@ class Publisher:
                     changes["snapshot"] = ""  # the shipped one is older than this suspend
                 if current.record.reason and state is not State.FAILED:
                     changes["reason"] = ""  # why it failed once: no longer true
+                if not current.record.tenant:  # a record from before tenants were named
+                    changes |= self._described(sandbox_id)
                 self._known[sandbox_id] = await self.ownership.update(
                     current, self.lease(), **changes)
             else:
@@ -121,6 +128,22 @@ class Publisher:
         except OwnershipConflict:
             self._known.pop(sandbox_id, None)  # read again on the retry
             raise
+
+    def _described(self, sandbox_id: str) -> dict[str, Any]:
+        """The record's tenant, template and shape, from ``describe`` (never raises)."""
+        try:
+            found = self.describe(sandbox_id)
+        except Exception:
+            log.exception("cluster: describing %s", sandbox_id)
+            return {}
+        out: dict[str, Any] = {}
+        for name, kind in (("tenant", str), ("template", str), ("vcpus", int),
+                           ("memory_mib", int), ("disk_mib", int)):
+            value = found.get(name)
+            if isinstance(value, kind) and not isinstance(value, bool) and \
+                    (len(value) <= 128 if isinstance(value, str) else value >= 0):
+                out[name] = value
+        return out
 
     async def aclose(self) -> None:
         task, self._task = self._task, None

@@ -10,15 +10,20 @@ still naming it:
   shape (the record's, named with the snapshot); that host adopts it
   (gateway.cluster.adopter): fetches the snapshot and registers the sandbox as
   SUSPENDED, and the next request wakes it there as any local suspended sandbox.
-- SUSPENDED never shipped (the upload had not finished): **lost**, its files are on
-  the dead host's disk only.
-- RUNNING, PAUSED, CREATING, SUSPENDING, RESTORING: its memory died with the host.
-  **FAILED** in its record, noting the last shipped snapshot (its disk as of the last
-  suspend) if there is one, else that it is lost.
-- FAILED or DESTROYED: nothing to do.
+- RUNNING, PAUSED, CREATING, SUSPENDING, RESTORING or FAILED with a shipped snapshot
+  (its memory died with the host; the snapshot is its disk as of its last suspend):
+  **moved FAILED** to a live host holding that base, with the reason; that host
+  registers it FAILED with only that disk, so the next request cold-boots it there
+  (files as of the last suspend, processes gone).
+- the same without a shipped snapshot (or no live host holds its base), or SUSPENDED
+  never shipped (the upload had not finished): **moved FAILED with nothing**, the reason
+  saying everything was lost; that host registers it so its owner sees why and can
+  DELETE it (a request is answered ``sandbox_lost``).
+- DESTROYED: nothing to do.
 
 No live host can take a suspended one (none holds its base, or none has room): **wait**
-(the next pass tries again).
+(the next pass tries again). A FAILED one goes even to a full host (it holds nothing
+until a request boots it); it waits only while no host is live.
 
 ``decide`` is the decision (no I/O); ``reap`` is one pass against etcd.
 """
@@ -36,8 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.cluster.errors import ClusterError, NoCapacity, OwnershipConflict
 from gateway.cluster.ownership import Ownership
-from gateway.cluster.placement import Request, choose
-from gateway.cluster.records import HostRecord, SandboxRecord
+from gateway.cluster.placement import Request, choose, cost
+from gateway.cluster.records import MAX_REASON, HostRecord, SandboxRecord
 from gateway.sandbox.states import State
 
 if TYPE_CHECKING:
@@ -51,19 +56,16 @@ AWAKE = frozenset({State.CREATING, State.RUNNING, State.PAUSED, State.SUSPENDING
 
 @dataclass(frozen=True)
 class Move:
-    """Give the sandbox to ``to_host`` (SUSPENDED, gen + 1); it fetches ``snapshot``."""
+    """Give the sandbox to ``to_host`` (gen + 1) as ``state``. SUSPENDED: it adopts
+    ``snapshot`` and a request wakes it. FAILED: it registers the sandbox FAILED with
+    ``reason``, with only the disk of ``snapshot`` (a request cold-boots it) or, if
+    ``snapshot`` is "", with nothing (a request is answered ``sandbox_lost``; DELETE works)."""
 
     sandbox_id: str
     to_host: str
     snapshot: str
-
-
-@dataclass(frozen=True)
-class Fail:
-    """Mark the sandbox FAILED; ``reason`` says what of it is left."""
-
-    sandbox_id: str
-    reason: str
+    state: State = State.SUSPENDED
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ class Wait:
     reason: str
 
 
-Action = Move | Fail | Wait
+Action = Move | Wait
 
 
 DEFAULT_REQUEST = Request(memory_mib=256, vcpus=1)  # a record without its shape (older)
@@ -92,6 +94,31 @@ def holders(hosts: Iterable[HostRecord], base: str) -> list[HostRecord]:
     return [h for h in hosts if not base or base in h.bases]
 
 
+def when(at: float) -> str:
+    """(No I/O.) A snapshot's time as a reason names it."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at)) if at > 0 else "unknown time"
+
+
+def failed_reason(dead: str, record: SandboxRecord, disk: bool) -> str:
+    """(No I/O.) What a FAILED sandbox moved off the dead host has left, in plain words."""
+    if record.state is State.FAILED:
+        was = f"it had failed ({record.reason or 'no reason recorded'})"
+    elif record.state is State.SUSPENDED:
+        was = "it was suspended but its snapshot was not uploaded yet"
+    else:
+        was = f"it was {record.state.value}: its memory is lost"
+    if disk:
+        kept = (f"its disk is as of its last suspend at {when(record.snapshot_at)} "
+                "(files written since are lost); the next request boots that disk")
+    elif record.snapshot:
+        kept = (f"its last upload (at {when(record.snapshot_at)}) stands on base "
+                f"{record.base[:16]}, which no live host holds: nothing to restore here "
+                "(the upload stays in the object store)")
+    else:
+        kept = "nothing of it was uploaded: everything is lost; delete it"
+    return f"host {dead} died; {was}; {kept}"[:MAX_REASON]
+
+
 def decide(dead: str, records: Iterable[SandboxRecord], live: Iterable[HostRecord], *,
            request_for: Callable[[SandboxRecord], Request] = request_of, k: int = 2,
            rng: random.Random | None = None) -> list[Action]:
@@ -99,31 +126,45 @@ def decide(dead: str, records: Iterable[SandboxRecord], live: Iterable[HostRecor
     hosts = [h for h in live if h.name != dead]
     actions: list[Action] = []
     for record in sorted(records, key=lambda r: r.id):
-        if record.host != dead or record.state in (State.FAILED, State.DESTROYED):
+        if record.host != dead or record.state is State.DESTROYED:
             continue
+        request = request_for(record)
+        able = holders(hosts, record.base) if record.snapshot else []
         if record.state is State.SUSPENDED and record.snapshot:
-            able = holders(hosts, record.base)
             if not able:
                 actions.append(Wait(record.id, f"no live host holds its base "
                                                f"{record.base[:16]}"))
                 continue
             try:
-                to = choose(able, request_for(record), k=k, rng=rng)
+                to = choose(able, request, k=k, rng=rng)
             except NoCapacity as exc:
                 actions.append(Wait(record.id, str(exc)))
                 continue
-            hosts = [_taken(h, request_for(record)) if h.name == to.name else h
-                     for h in hosts]
             actions.append(Move(record.id, to.name, record.snapshot))
-        elif record.state is State.SUSPENDED:
-            actions.append(Fail(record.id, f"host {dead} died before its snapshot was "
-                                           "uploaded: lost"))
-        elif record.state in AWAKE:
-            kept = (f"its disk as of its last suspend is at {record.snapshot}"
-                    if record.snapshot else "nothing was uploaded: lost")
-            actions.append(Fail(record.id, f"host {dead} died while it was "
-                                           f"{record.state.value}: its memory is lost; {kept}"))
+        else:
+            # FAILED: its memory is gone (or it never had a shipped snapshot). It goes to a
+            # live host all the same, so its owner sees why and can delete it: with the
+            # disk of its last upload to a host holding that base, else with nothing.
+            disk = bool(able)
+            if not (able or hosts):
+                actions.append(Wait(record.id, "no live host"))
+                continue
+            to = _pick(able or hosts, request, k, rng)
+            actions.append(Move(record.id, to.name, record.snapshot if disk else "",
+                                State.FAILED, failed_reason(dead, record, disk)))
+        hosts = [_taken(h, request) if h.name == to.name else h for h in hosts]
     return actions
+
+
+def _pick(hosts: list[HostRecord], request: Request, k: int,
+          rng: random.Random | None) -> HostRecord:
+    """Placement for a FAILED sandbox: it holds nothing until a request boots it (and
+    that host's own admission then decides), so a full fleet still takes it: the least
+    loaded host when none has room."""
+    try:
+        return choose(hosts, request, k=k, rng=rng)
+    except NoCapacity:
+        return min(hosts, key=lambda h: cost(h, request))
 
 
 def _taken(host: HostRecord, request: Request) -> HostRecord:
@@ -140,9 +181,8 @@ async def reap(ownership: Ownership, dead: str, live: list[HostRecord], *,
     """One pass for the dead host ``dead``: read every record, decide, apply each action
     as a compare-and-set guarded by the reaper's leadership (``LeaderKey.guard()``), so a
     deposed reaper changes nothing. A record that changed since it was read (its owner
-    came back, another pass moved it) is skipped: the next pass reads it again. FAILED
-    stays on the dead host's name with gen + 1 (routing answers owner_unavailable).
-    The actions that landed (and the waits) are returned."""
+    came back, another pass moved it) is skipped: the next pass reads it again. The
+    actions that landed (and the waits) are returned."""
     _, records = await ownership.list()
     by_id = {sid: v for sid, v in records.items() if v.record.host == dead}
     done: list[Action] = []
@@ -151,10 +191,8 @@ async def reap(ownership: Ownership, dead: str, live: list[HostRecord], *,
         current = by_id[action.sandbox_id]
         try:
             if isinstance(action, Move):
-                await ownership.move(current, action.to_host, State.SUSPENDED, (guard,))
-            elif isinstance(action, Fail):
-                await ownership.move(current, dead, State.FAILED, (guard,),
-                                     reason=action.reason)
+                await ownership.move(current, action.to_host, action.state, (guard,),
+                                     snapshot=action.snapshot, reason=action.reason)
         except OwnershipConflict as exc:
             log.info("reaper: %s changed since read (%s); next pass", action.sandbox_id, exc)
             continue
@@ -224,8 +262,7 @@ class ReaperLoop:
 
     async def one_pass(self, guard: dict[str, Any]) -> list[Action]:
         table = self.table
-        named = {r.host for r in table.sandboxes.values()
-                 if r.state not in (State.FAILED, State.DESTROYED)}
+        named = {r.host for r in table.sandboxes.values() if r.state is not State.DESTROYED}
         out: list[Action] = []
         for dead in due(named, table.hosts, self.absent_since, time.monotonic(), self.grace):
             actions = await reap(self.ownership, dead, list(table.hosts.values()), guard=guard,

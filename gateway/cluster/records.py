@@ -75,6 +75,12 @@ class SandboxRecord:
     memory_mib: int = 0
     disk_mib: int = 0
     reason: str = ""  # why it is FAILED (the reaper's or an adoption's words), "" = none
+    # Whose it is and what of (the publisher names them at create): a host the reaper
+    # gives a sandbox that shipped nothing registers it from these alone (FAILED, so
+    # its owner can see why and delete it). "" = unknown (a record from before them).
+    tenant: str = ""
+    template: str = ""
+    snapshot_at: float = 0.0  # when the shipped snapshot was made (unix time), 0 = unknown
 
     def __post_init__(self) -> None:
         check_sandbox_id(self.id)
@@ -87,6 +93,13 @@ class SandboxRecord:
             raise ValueError("snapshot must be a string of at most 2048 characters")
         if not isinstance(self.base, str) or (self.base and not _BASE.fullmatch(self.base)):
             raise ValueError("base must be a SHA256 hex digest or empty")
+        for name in ("tenant", "template"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or len(value) > 128:
+                raise ValueError(f"{name} must be a string of at most 128 characters")
+        if not isinstance(self.snapshot_at, (int, float)) or isinstance(self.snapshot_at, bool) \
+                or not 0 <= self.snapshot_at < 1e11:
+            raise ValueError(f"snapshot_at must be a unix time, not {self.snapshot_at!r}")
         if not isinstance(self.reason, str) or len(self.reason) > MAX_REASON:
             raise ValueError(f"reason must be a string of at most {MAX_REASON} characters")
         for name in ("vcpus", "memory_mib", "disk_mib"):

@@ -136,13 +136,21 @@ class Shipper:
 
 def recorded(local: LocalSnapshot) -> dict[str, Any]:
     """What the sandbox's etcd record carries beside the location: the base identity and
-    the shape (from the metadata), so the reaper needs no object-store read to place it."""
+    the shape (from the metadata), so the reaper needs no object-store read to place it,
+    whose it is, and when the snapshot was made (the reaper's reason names it)."""
     out: dict[str, Any] = {"base": local.base if re.fullmatch(r"[0-9a-f]{64}", local.base)
                            else ""}
     for name in ("vcpus", "memory_mib", "disk_mib"):
         value = local.meta.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             out[name] = value
+    for name in ("tenant", "template"):
+        value = local.meta.get(name)
+        if isinstance(value, str) and 0 < len(value) <= 128:
+            out[name] = value
+    at = local.meta.get("suspended_at")
+    if isinstance(at, (int, float)) and not isinstance(at, bool) and 0 < at < 1e11:
+        out["snapshot_at"] = float(at)
     return out
 
 

@@ -226,8 +226,9 @@ def _bases_of(config: Config) -> Callable[[], Collection[str]]:
 
 
 def _adopt_through(service: SandboxService, node: cluster_node.ClusterNode) -> None:
-    """[cluster] with an object store: records moved here are adopted (fetched and
-    registered SUSPENDED), local copies of records moved away are destroyed."""
+    """[cluster] on: records moved here are adopted (fetched from the object store and
+    registered SUSPENDED; FAILED ones with their last disk or with nothing), local copies
+    of records moved away are destroyed."""
     if node.adopter is None:
         return
     from functools import partial
@@ -256,6 +257,14 @@ def _route_through(app: web.Application, config: Config, registry: Registry,
     from gateway.preview.forward import Forwarder
 
     registry.listeners.append(node.publisher.heard)
+
+    def describe(sandbox_id: str) -> dict[str, Any]:
+        rec = registry.get(sandbox_id)
+        return {} if rec is None else {"tenant": rec.tenant, "template": rec.template,
+                                       "vcpus": rec.vcpus, "memory_mib": rec.memory_mib,
+                                       "disk_mib": rec.disk_mib}
+
+    node.publisher.describe = describe
     node.publish_local(lambda: [(r.id, r.state) for r in registry.list()])
     if node.shipper is not None:  # [cluster] objstore_endpoint: ship suspended snapshots
         from gateway.cluster.shipper import from_registry

@@ -196,13 +196,15 @@ def _golden_of(images_dir: Path, base: str) -> Golden:
 
 
 def record_for(sandbox_id: str, meta: dict[str, Any], golden: Golden, slot: int, root: Path,
-               host: str, now: float) -> SandboxRecord:
-    """(No I/O.) The registry row of an adopted sandbox, from the shipped index's meta."""
+               host: str, now: float, failed: str | None = None) -> SandboxRecord:
+    """(No I/O.) The registry row of an adopted sandbox, from the shipped index's meta
+    (or, for one that shipped nothing, its etcd record's); ``failed``: it is registered
+    FAILED with that reason (its memory is lost), else SUSPENDED."""
     template = meta.get("template")
     tenant = meta.get("tenant")
     if not isinstance(template, str) or not isinstance(tenant, str) or not tenant:
         raise AdoptionError("the shipped index names no tenant or template")
-    if golden.template != template:
+    if golden.template != template and failed is None:
         raise AdoptionError(f"the golden of its base is of template {golden.template!r}, "
                             f"the sandbox is of {template!r}")
 
@@ -215,7 +217,9 @@ def record_for(sandbox_id: str, meta: dict[str, Any], golden: Golden, slot: int,
     metadata: dict[str, Any] = shipped_metadata if isinstance(shipped_metadata, dict) else {}
     egress = shipped_egress if isinstance(shipped_egress, dict) else None
     return SandboxRecord(
-        id=sandbox_id, tenant=tenant, template=template, state=State.SUSPENDED, slot=slot,
+        id=sandbox_id, tenant=tenant, template=template,
+        state=State.SUSPENDED if failed is None else State.FAILED, slot=slot,
+        failure=failed,
         root=str(root), golden=str(golden.dir), idle_timeout=float(number("idle_timeout", 0)),
         host=host, created_at=now, updated_at=now, last_activity=now, metadata=metadata,
         egress=egress, asleep_since=now, vcpus=int(number("vcpus", golden.vcpus)),
@@ -223,54 +227,105 @@ def record_for(sandbox_id: str, meta: dict[str, Any], golden: Golden, slot: int,
         disk_mib=int(number("disk_mib", golden.disk_mib)))
 
 
-async def adopt(service: Any, sandbox_id: str, fetch: Fetch, *, base: str = "",
-                from_host: str = "") -> SandboxRecord:
+async def adopt(service: Any, sandbox_id: str, fetch: Fetch | None, *, base: str = "",
+                from_host: str = "", failed: str | None = None,
+                meta: dict[str, Any] | None = None) -> SandboxRecord:
     """Make the shipped sandbox ``sandbox_id`` a local SUSPENDED one of ``service`` (a
     ``SandboxService``). Idempotent: a sandbox already in the registry is returned as
     it is. Raises AdoptionError (or the fetch's error); nothing is left registered or
-    on disk when it does, and the shipped snapshot is untouched."""
+    on disk when it does, and the shipped snapshot is untouched.
+
+    ``failed`` (its memory is lost: its host died while it ran): registered FAILED with
+    that reason, with only the snapshot's disk kept (rebased onto this host's golden, where
+    the sandbox's own disk lives), so its next request cold-boots that disk; with no
+    ``fetch`` (nothing was shipped), with no disk at all, from ``meta`` (tenant, template,
+    shape: the etcd record's), so its requests are answered sandbox_lost and DELETE works."""
     existing = service.registry.get(sandbox_id)
     if existing is not None and existing.state is not State.DESTROYED:
         return existing
     sandboxes = service.sandboxes_dir
     sandboxes.mkdir(parents=True, exist_ok=True)
     staging, root = staging_dir(sandboxes, sandbox_id), sandboxes / sandbox_id
+    disk_only = staging.with_name(staging.name + ".disk")
     images = service.config.server.images_dir
-    if base:  # refused before anything is downloaded
+    if base and fetch is not None:  # refused before anything is downloaded
         await asyncio.to_thread(_golden_of, images, base)
-    await asyncio.to_thread(_remove, staging, staging.with_name(staging.name + ".fetching"),
-                            root)
+    leftovers = (staging, staging.with_name(staging.name + ".fetching"), disk_only, root)
+    await asyncio.to_thread(_remove, *leftovers)
     slot: int | None = None
     try:
-        shipped_base, meta = await fetch(staging)
-        golden = await asyncio.to_thread(_golden_of, images, shipped_base)
-        plan = await _rewrite(staging, root, sandbox_id, golden, str(meta.get("root", "")))
-        os.replace(staging, root)
-        await asyncio.to_thread(store.load, root / "snapshot", not plan.compact)
+        if fetch is None:
+            if failed is None:
+                raise AdoptionError("nothing to adopt: no snapshot and not failed")
+            meta = dict(meta or {})
+            golden = await asyncio.to_thread(_golden_for_lost, images, base,
+                                             str(meta.get("template", "")))
+            await asyncio.to_thread(root.mkdir)
+        else:
+            shipped_base, meta = await fetch(staging)
+            golden = await asyncio.to_thread(_golden_of, images, shipped_base)
+            plan = await _rewrite(staging, root, sandbox_id, golden, str(meta.get("root", "")))
+            if failed is None:
+                os.replace(staging, root)
+                await asyncio.to_thread(store.load, root / "snapshot", not plan.compact)
+            else:
+                disk = service.backend.layout.disk(root)
+                await asyncio.to_thread(_keep_disk, staging, root, plan, disk, disk_only)
         slot = service.claim_slot()
         rec = record_for(sandbox_id, meta, golden, slot, root, service.registry.host,
-                         time.time())
+                         time.time(), failed)
         from gateway.sandbox.recovery import network_ready
 
         await network_ready(service, rec)
+        what = "adopted" if failed is None else "adopted FAILED"
         service.registry.insert_sandbox(rec, event="adopt",
-                                        cause=f"adopted from {from_host or 'another host'}",
+                                        cause=f"{what} from {from_host or 'another host'}",
                                         replace_destroyed=True)
     except BaseException as exc:
-        await asyncio.shield(_undo(service, sandbox_id, slot, staging, root))
+        await asyncio.shield(_undo(service, sandbox_id, slot, *leftovers))
         if isinstance(exc, (SnapshotError, DiskError, OSError, ValueError, KeyError)):
             raise AdoptionError(f"adopting {sandbox_id}: {exc}") from exc
         raise
     finally:
         if slot is not None:
             service.release_slot(slot)
-    log.warning("sandbox %s adopted from %s (slot %d, golden %s)", sandbox_id,
+    log.warning("sandbox %s adopted%s from %s (slot %d, golden %s)", sandbox_id,
+                "" if failed is None else (" FAILED with its last disk" if fetch else
+                                           " FAILED with nothing"),
                 from_host or "another host", rec.slot, golden.dir)
     return rec
 
 
-async def _undo(service: Any, sandbox_id: str, slot: int | None, staging: Path,
-                root: Path) -> None:
+def _keep_disk(staging: Path, root: Path, plan: Relocated, disk: Path, keep: Path) -> None:
+    """Of the fetched, rewritten snapshot in ``staging`` keep only the disk, at ``disk``
+    (the sandbox's own disk under ``root``); its memory and device state go."""
+    entry = plan.files.get("disk")
+    if entry is None:
+        raise AdoptionError("the snapshot names no disk")
+    path = Path(str(entry["path"]))
+    src = staging / path.relative_to(root) if path.is_absolute() else staging / "snapshot" / path
+    keep.mkdir()
+    os.replace(src, keep / disk.relative_to(root))
+    shutil.rmtree(staging)
+    os.replace(keep, root)
+
+
+def _golden_for_lost(images_dir: Path, base: str, template: str) -> Golden:
+    """The golden a sandbox registered with nothing names (it is never booted: its row
+    needs one): its base's if held, else one of its template, else any."""
+    found = local_bases(images_dir)
+    if base in found:
+        return load_golden_dir(found[base])
+    goldens = []
+    for path in found.values():
+        with contextlib.suppress(Exception):
+            goldens.append(load_golden_dir(path))
+    if not goldens:
+        raise AdoptionError("this host holds no golden at all")
+    return next((g for g in goldens if g.template == template), goldens[0])
+
+
+async def _undo(service: Any, sandbox_id: str, slot: int | None, *paths: Path) -> None:
     """Remove everything a failed adoption made (it has no registry row)."""
     if service.registry.get(sandbox_id) is not None and \
             service.registry.get(sandbox_id).state is not State.DESTROYED:
@@ -279,8 +334,7 @@ async def _undo(service: Any, sandbox_id: str, slot: int | None, staging: Path,
         with contextlib.suppress(Exception):
             await network.destroy(network.slot_for(slot, sandbox_id,
                                                    service.backend.config.network))
-    await asyncio.to_thread(_remove, staging, staging.with_name(staging.name + ".fetching"),
-                            root)
+    await asyncio.to_thread(_remove, *paths)
 
 
 def _remove(*paths: Path) -> None:

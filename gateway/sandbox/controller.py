@@ -31,7 +31,7 @@ from typing import Any
 from gateway.sandbox import core as c
 from gateway.sandbox.core import Policy, RestoreFailed, VMLost, WakeTimeout
 from gateway.sandbox.machine_port import MachinePort
-from gateway.errors import ApiError, SandboxMoved, SandboxNotFound, Unavailable
+from gateway.errors import ApiError, SandboxLost, SandboxMoved, SandboxNotFound, Unavailable
 from gateway.sandbox.states import State
 from gateway.sandbox.metrics import Metrics
 from gateway.store.registry import Registry, SandboxRecord
@@ -91,7 +91,7 @@ class SandboxController:
     def __init__(self, rec: SandboxRecord, machine: MachinePort, registry: Registry,
                  policy: Policy, holds: HoldCounter,
                  spawn: Callable[[Awaitable[Any], str], asyncio.Task],
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, *, lost: bool = False) -> None:
         self.rec = rec
         self.machine = machine
         self.registry = registry
@@ -99,7 +99,8 @@ class SandboxController:
         self.metrics = metrics or Metrics()
         self._spawn = spawn
         self.core = c.SandboxCore(rec.state, policy, suspend_count=rec.suspend_count,
-                                  restore_count=rec.restore_count, now=time.monotonic())
+                                  restore_count=rec.restore_count, now=time.monotonic(),
+                                  lost=lost)
         self._op: asyncio.Task | None = None
         self._pace = Slots(policy.max_concurrent_requests)
         self._admitted: set[asyncio.Task] = set()
@@ -277,7 +278,11 @@ class SandboxController:
         self.metrics.events[{"hold_queue_full": "hold_rejected"}.get(error.code, error.code)] += 1
         if isinstance(error, SandboxMoved):
             return SandboxMoved(self.id, error.host)
-        return SandboxNotFound(self.id) if isinstance(error, SandboxNotFound) else error
+        if isinstance(error, SandboxNotFound):
+            return SandboxNotFound(self.id)
+        if isinstance(error, SandboxLost):
+            return c.lost_error(self.id, self.rec.failure or "")
+        return error
 
     async def _hold(self, hold: c.Hold) -> None:
         """Wait for the current operation (bounded), without being able to cancel it; return
@@ -407,9 +412,12 @@ class SandboxController:
                 err = exc if isinstance(exc, RestoreError) else None
                 self._run(self.core.handle(c.RestoreFailedEvent(
                     str(exc) or repr(exc), guest_started=bool(err and err.guest_started),
-                    snapshot_unusable=bool(err and err.snapshot_unusable))))
+                    snapshot_unusable=bool(err and err.snapshot_unusable),
+                    disk_missing=bool(err and err.disk_missing))))
                 if self.core.op is c.Op.COLD_BOOT:
                     return  # the waiters carry on waiting, for the cold boot
+                if self.core.lost:
+                    raise c.lost_error(self.id, self.rec.failure or "") from exc
                 raise c.wake_error(self.id, str(exc), bool(err and err.vmm_died)) from exc
             self.metrics.events["cold_boot" if cold else "restore"] += 1
             self.metrics.restore_seconds.observe(ms / 1000)

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any
 
-from gateway.errors import (ApiError, Conflict, OwnerUnavailable, SandboxMoved, SandboxNotFound,
-                            Unavailable)
+from gateway.errors import (ApiError, Conflict, OwnerUnavailable, SandboxLost, SandboxMoved,
+                            SandboxNotFound, Unavailable)
 from gateway.sandbox.states import Event, State, next_state
 
 
@@ -242,6 +242,7 @@ class RestoreFailedEvent:
     cause: str
     guest_started: bool  # the guest ran from the snapshot: it is consumed
     snapshot_unusable: bool  # corrupt, missing, truncated, or its device state did not load
+    disk_missing: bool = False  # a cold boot found no disk to boot: the sandbox is lost
 
 
 @dataclass(frozen=True)
@@ -409,14 +410,23 @@ MAX_CAUSE = 500
 MAX_RECORDED_CAUSE = 2000  # a transition's cause as written to the registry
 
 
-def wake_error(sandbox_id: str, cause: str, vmm_died: bool) -> ApiError:
+def wake_error(sandbox_id: str, cause: str, vmm_died: bool, lost: bool = False) -> ApiError:
     """What the requests waiting for a failed restore or cold boot are answered. A VMM that
     died under it (killed, crashed) is transient: the next request starts it again, so
-    503 with Retry-After, as for a VMM that dies while running. Anything else is 502."""
+    503 with Retry-After, as for a VMM that dies while running. No disk to boot: 410
+    ``sandbox_lost`` (nothing will ever start it). Anything else is 502."""
+    if lost:
+        return lost_error(sandbox_id)
     if vmm_died:
         return VMLost("the sandbox's VM stopped while it was starting; the next request "
                       "starts it again", headers={"Retry-After": "1"})
     return RestoreFailed(f"sandbox {sandbox_id} could not be restored: {public_cause(cause)}")
+
+
+def lost_error(sandbox_id: str, failure: str = "") -> ApiError:
+    why = f" ({public_cause(failure)})" if failure else ""
+    return SandboxLost(f"sandbox {sandbox_id} failed and has no disk left to boot{why}; "
+                       "delete it")
 
 
 def public_cause(text: str) -> str:
@@ -428,8 +438,12 @@ def public_cause(text: str) -> str:
 
 class SandboxCore:
     def __init__(self, state: State, policy: Policy, *, vmm_pid: int | None = None,
-                 suspend_count: int = 0, restore_count: int = 0, now: float = 0.0) -> None:
+                 suspend_count: int = 0, restore_count: int = 0, now: float = 0.0,
+                 lost: bool = False) -> None:
         self.state = state
+        # FAILED with no disk to boot (the shell found none, or a cold boot did): requests
+        # are answered sandbox_lost at once, never a boot attempt (only DELETE helps).
+        self.lost = lost
         self.policy = policy
         self.op: Op | None = None
         self.entering = 0  # counted, not yet admitted (held or about to be)
@@ -487,6 +501,8 @@ class SandboxCore:
             if self.moved_to is not None:  # held through a move: the new owner serves it
                 return self._leave_queue(Reject(SandboxMoved("", self.moved_to)))
             return self._leave_queue(Reject(SandboxNotFound("")))
+        if st is S.FAILED and self.lost and self.op is None:
+            return self._leave_queue(Reject(lost_error("")))
         if self.entering > p.max_waiters_per_sandbox or ev.held_globally >= p.max_waiters_global:
             return self._leave_queue(Reject(Unavailable(
                 "too many requests waiting for this sandbox to wake", code="hold_queue_full",
@@ -711,6 +727,7 @@ class SandboxCore:
         self.failed_restores += 1
         cause = f"{'cold boot' if cold else 'restore'} failed: {ev.cause}"
         if cold:  # nothing left to fall back to: FAILED until the next request tries again
+            self.lost = ev.disk_missing  # ... unless there is no disk to try: never again
             return self._fail(E.SNAPSHOT_LOST, cause, on_request_only=True)
         if ev.guest_started or ev.snapshot_unusable \
                 or self.failed_restores >= self.policy.max_restore_attempts:
@@ -785,7 +802,8 @@ class SandboxCore:
         """Record a move to FAILED; its next request (or, by policy, now) cold-boots the disk."""
         cmds = self._record(event, cause, failure=public_cause(cause), vmm=None)
         assert self.state is S.FAILED, self.state
-        if self.policy.cold_boot_failed_at_once and not on_request_only and self.op is None:
+        if self.policy.cold_boot_failed_at_once and not on_request_only and self.op is None \
+                and not self.lost:
             cmds += self._begin_restore("cold boot of a failed sandbox (policy: at once)")
         return cmds
 

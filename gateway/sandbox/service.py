@@ -469,8 +469,11 @@ class SandboxService:
         ctl = self._controllers.get(rec.id)
         if ctl is None:
             machine = Machine(self.plan(rec), self.backend)
+            # FAILED with no disk (adopted with nothing: gateway.sandbox.adoption): the core
+            # answers its requests sandbox_lost rather than trying to boot nothing.
+            lost = rec.state is State.FAILED and not machine.spec.disk.exists()
             ctl = SandboxController(rec, machine, self.registry, self.policy, self.holds,
-                                    self.spawn, self.metrics)
+                                    self.spawn, self.metrics, lost=lost)
             self._controllers[rec.id] = ctl
         return ctl
 

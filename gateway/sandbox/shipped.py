@@ -109,5 +109,6 @@ def describe_suspended(rec: SandboxRecord) -> Suspended | None:
         return None
     meta = {"tenant": rec.tenant, "template": rec.template, "vcpus": rec.vcpus,
             "memory_mib": rec.memory_mib, "disk_mib": rec.disk_mib,
-            "idle_timeout": rec.idle_timeout, "metadata": rec.metadata, "egress": rec.egress}
+            "idle_timeout": rec.idle_timeout, "metadata": rec.metadata, "egress": rec.egress,
+            "suspended_at": rec.asleep_since or rec.updated_at}
     return Suspended(directory.parent, files.names, base, meta)

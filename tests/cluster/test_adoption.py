@@ -6,8 +6,10 @@ host A (A's data dir); its snapshot is shipped and named in its record. A is kil
 and VMMs, as a host losing power). The reaper (on the surviving host, which leads) moves
 the record; that host adopts it (fetches the snapshot into its own data dir, rewrites it
 onto its golden, registers it SUSPENDED), and a request through it wakes the sandbox with
-the file byte for byte, the process alive and the variable's value. Then A comes back:
-it finds its local copy's record held by the other host and destroys that copy.
+the file byte for byte, the process alive and the variable's value. A second one, whose
+snapshot is corrupted in the store, is refused by the fetch and registered FAILED with
+nothing (410 sandbox_lost; DELETE works). Then A comes back: it finds its local copies'
+records held by the other host and destroys those copies.
 """
 
 from __future__ import annotations
@@ -167,8 +169,16 @@ def test_a_dead_hosts_suspended_sandbox_wakes_on_another_host(fleet2: Fleet) -> 
     assert failed[-1].host == b.name and "SHA256" in failed[-1].reason, failed[-1]
     assert failed[-1].snapshot == bad_rec[-1].snapshot
     assert fleet.loop.run(_store_op(fleet, "get", f"{prefix}/index.json"))
-    assert on_b.get(f"/v1/sandboxes/{bad}").status_code == 404
-    assert not list((b.data_dir / "sandboxes").glob(f"*{bad}*"))
+    # ... and registered on B FAILED with nothing (the owner sees why and can delete it):
+    # a request is answered 410 sandbox_lost, nothing of the snapshot is on B's disk.
+    fleet.wait_for(lambda: on_b.get(f"/v1/sandboxes/{bad}").status_code == 200, 60,
+                   f"{b.name} registers the failed one")
+    info = on_b.get(f"/v1/sandboxes/{bad}").json()
+    assert info["state"] == "failed" and "SHA256" in info["failure"], info
+    r = on_b.post(f"/v1/sandboxes/{bad}/execute", json={"command": "true"})
+    assert r.status_code == 410 and r.json()["error"]["code"] == "sandbox_lost", r.text
+    assert list((b.data_dir / "sandboxes").glob(f"*{bad}*")) == [b.data_dir / "sandboxes" / bad]
+    assert not list((b.data_dir / "sandboxes" / bad).iterdir())
     print(f"[adopt] {bad}: {failed[-1].reason}")
     print(f"[adopt] {a.name} killed -> record moved to {b.name} {moved_after:.1f} s "
           f"(lease TTL {fleet.ttl} s + reap_after {REAP_AFTER} s) -> adopted "
@@ -183,5 +193,7 @@ def test_a_dead_hosts_suspended_sandbox_wakes_on_another_host(fleet2: Fleet) -> 
     r = fleet.client(a).post(f"/v1/sandboxes/{sid}/execute", json={"command": "echo via-a"})
     assert r.status_code == 200 and r.json()["stdout"] == "via-a\n", r.text
     assert fleet.record(sid).host == b.name
+    assert on_b.delete(f"/v1/sandboxes/{bad}").status_code == 204
+    fleet.wait_for(lambda: fleet.record(bad) is None, 30, "the failed one's record goes")
     with contextlib.suppress(Exception):
         assert on_b.delete(f"/v1/sandboxes/{sid}").status_code == 204

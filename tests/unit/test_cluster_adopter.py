@@ -26,7 +26,13 @@ S = State
     (SandboxRecord("s", "me", S.SUSPENDED, 2, SNAP), None, False, None),  # destroyed here
     (SandboxRecord("s", "me", S.SUSPENDED, 2, SNAP), S.SUSPENDED, False, None),  # ours
     (SandboxRecord("s", "me", S.SUSPENDED, 2, ""), None, True, None),  # nothing shipped
-    (SandboxRecord("s", "me", S.FAILED, 2, SNAP), None, True, None),
+    (SandboxRecord("s", "me", S.FAILED, 2, SNAP), None, True, None),  # no reason: not moved
+    # FAILED with a reason (the reaper moved it here off a dead host, or an adoption
+    # failed): registered here FAILED, with its last disk or with nothing
+    (SandboxRecord("s", "me", S.FAILED, 2, SNAP, reason="host a died"), None, True, Do.ADOPT),
+    (SandboxRecord("s", "me", S.FAILED, 2, "", reason="host a died"), None, True, Do.ADOPT),
+    (SandboxRecord("s", "me", S.FAILED, 2, "", reason="host a died"), S.FAILED, False, None),
+    (SandboxRecord("s", "me", S.FAILED, 2, "", reason="x"), None, False, None),  # deleted here
     (SandboxRecord("s", "me", S.RUNNING, 1), S.RUNNING, False, None),
     (SandboxRecord("s", "other", S.SUSPENDED, 3, SNAP), S.SUSPENDED, False, Do.EVICT),
     (SandboxRecord("s", "other", S.RUNNING, 3), S.RUNNING, False, Do.EVICT),
@@ -75,7 +81,7 @@ async def test_a_record_moved_here_is_adopted_once():
     record = SandboxRecord("s", "me", S.SUSPENDED, 2, SNAP, base="b" * 64)
     calls = []
 
-    async def adopt(sandbox_id, fetched, *, base, from_host):
+    async def adopt(sandbox_id, fetched, *, base, from_host, failed=None, meta=None):
         calls.append((sandbox_id, base))
         await asyncio.sleep(0.05)
     adopter, own, _ = make(record, adopt)
@@ -89,8 +95,12 @@ async def test_a_record_moved_here_is_adopted_once():
 async def test_a_refused_snapshot_marks_the_record_failed_with_the_reason():
     record = SandboxRecord("s", "me", S.SUSPENDED, 2, SNAP)
 
-    async def adopt(sandbox_id, fetched, *, base, from_host):
+    async def adopt(sandbox_id, fetched, *, base, from_host, failed=None, meta=None):
+        if fetched is None:
+            lost.append((failed, meta))
+            return
         raise SnapshotRefused("s: memory does not match its SHA256")
+    lost: list = []
     adopter, own, _ = make(record, adopt)
     adopter.consider(record)
     await settle(adopter)
@@ -98,13 +108,16 @@ async def test_a_refused_snapshot_marks_the_record_failed_with_the_reason():
     assert changes["state"] is S.FAILED and "SHA256" in changes["reason"]
     assert own.current.record.snapshot == SNAP  # the location stays: nothing is deleted
     assert "s" in adopter.failed
+    # ... and it is registered here FAILED with nothing, so its owner sees why and deletes it
+    [(failed, meta)] = lost
+    assert failed == changes["reason"] and adopter.adopted == ["s"]
 
 
 async def test_an_unreachable_store_is_retried_then_failed():
     record = SandboxRecord("s", "me", S.SUSPENDED, 2, SNAP)
     tries = []
 
-    async def adopt(sandbox_id, fetched, *, base, from_host):
+    async def adopt(sandbox_id, fetched, *, base, from_host, failed=None, meta=None):
         tries.append(1)
         if len(tries) < 3:
             raise ObjectStoreError("connection refused")
@@ -115,7 +128,9 @@ async def test_an_unreachable_store_is_retried_then_failed():
 
     tries.clear()
 
-    async def never(sandbox_id, fetched, *, base, from_host):
+    async def never(sandbox_id, fetched, *, base, from_host, failed=None, meta=None):
+        if fetched is None:
+            return  # registered FAILED with nothing
         tries.append(1)
         raise ObjectStoreError("connection refused")
     adopter, own, _ = make(record, never)
@@ -127,7 +142,7 @@ async def test_an_unreachable_store_is_retried_then_failed():
 async def test_a_record_that_moved_on_meanwhile_is_not_marked_failed():
     record = SandboxRecord("s", "me", S.SUSPENDED, 2, SNAP)
 
-    async def adopt(sandbox_id, fetched, *, base, from_host):
+    async def adopt(sandbox_id, fetched, *, base, from_host, failed=None, meta=None):
         own.current = Versioned(record.moved_to("other", S.SUSPENDED), 12)
         raise SnapshotRefused("no")
     adopter, own, _ = make(record, adopt)
@@ -147,3 +162,45 @@ async def test_a_local_copy_of_a_record_moved_away_is_evicted_unless_busy():
     adopter.consider(record)
     await settle(adopter)
     assert evicted == [("s", "other")] and adopter.evicted == ["s"]
+
+
+async def test_a_failed_record_moved_here_gets_its_last_disk_or_nothing():
+    # With a snapshot: adopted FAILED with the reaper's reason (only its disk is kept).
+    calls = []
+
+    async def adopt(sandbox_id, fetched, *, base, from_host, failed=None, meta=None):
+        calls.append((fetched is not None, failed, meta))
+    shipped = SandboxRecord("s", "me", S.FAILED, 2, SNAP, reason="host a died; ...",
+                            tenant="k1", template="python")
+    adopter, own, _ = make(shipped, adopt)
+    adopter.consider(shipped)
+    await settle(adopter)
+    assert calls == [(True, "host a died; ...", None)] and adopter.adopted == ["s"]
+    assert not own.updates  # the record is already FAILED with the reason
+
+    # Its fetch fails: registered FAILED with nothing, both reasons kept; etcd untouched.
+    calls.clear()
+
+    async def refused(sandbox_id, fetched, *, base, from_host, failed=None, meta=None):
+        calls.append((fetched is not None, failed, meta))
+        if fetched is not None:
+            raise SnapshotRefused("disk does not match its SHA256")
+    adopter, own, _ = make(shipped, refused)
+    adopter.consider(shipped)
+    await settle(adopter)
+    assert [c[0] for c in calls] == [True, False]
+    assert calls[1][1].startswith("host a died; ...; but adoption by me failed: ")
+    assert "SHA256" in calls[1][1] and calls[1][2]["tenant"] == "k1"
+    assert not own.updates and adopter.adopted == ["s"]
+
+    # Nothing shipped: registered FAILED with nothing, from the record's tenant and template.
+    calls.clear()
+    bare = SandboxRecord("s", "me", S.FAILED, 2, "", reason="host a died; everything lost",
+                         tenant="k1", template="python", vcpus=2, memory_mib=512)
+    adopter, own, _ = make(bare, adopt)
+    adopter.consider(bare)
+    await settle(adopter)
+    [(fetched, failed, meta)] = calls
+    assert not fetched and failed == "host a died; everything lost"
+    assert meta == {"tenant": "k1", "template": "python", "vcpus": 2, "memory_mib": 512,
+                    "disk_mib": 0}

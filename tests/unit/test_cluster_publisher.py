@@ -151,3 +151,33 @@ async def test_a_new_suspend_clears_the_shipped_location_a_wake_keeps_it() -> No
         assert fake.store["sbx1"].record.snapshot == ""
     finally:
         await pub.aclose()
+
+
+async def test_a_created_record_names_whose_it_is_and_its_shape() -> None:
+    # A host the reaper gives it to registers it from the record alone if nothing of it
+    # was shipped (gateway.cluster.adopter), so the record carries tenant, template, shape.
+    fake = FakeOwnership()
+    pub = Publisher(fake, "host-a", lambda: 7)  # type: ignore[arg-type]
+    pub.describe = lambda sid: {"tenant": "k1", "template": "python", "vcpus": 2,
+                                "memory_mib": 1024, "disk_mib": 0, "junk": object()}
+    pub.start()
+    try:
+        pub.changed("sbx1", State.RUNNING)
+        await settle(pub)
+        rec = fake.store["sbx1"].record
+        assert (rec.tenant, rec.template, rec.vcpus, rec.memory_mib) == ("k1", "python", 2, 1024)
+        # An older record without them gains them at its next write; a describe that
+        # raises never stops a write.
+        fake._put(SandboxRecord("sbx2", "host-a", State.RUNNING))
+        pub.changed("sbx2", State.SUSPENDED)
+        await settle(pub)
+        assert fake.store["sbx2"].record.tenant == "k1"
+
+        def broken(sid: str) -> dict[str, Any]:
+            raise RuntimeError("registry closed")
+        pub.describe = broken
+        pub.changed("sbx3", State.RUNNING)
+        await settle(pub)
+        assert fake.store["sbx3"].record.tenant == ""
+    finally:
+        await pub.aclose()

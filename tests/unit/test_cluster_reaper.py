@@ -1,5 +1,6 @@
 """The reaper's decision for a dead host's sandboxes, case by case (no I/O)."""
 
+import dataclasses
 import random
 
 import pytest
@@ -7,7 +8,7 @@ import pytest
 from gateway.cluster.errors import OwnershipConflict
 from gateway.cluster.ownership import Versioned
 from gateway.cluster.placement import Request
-from gateway.cluster.reaper import Fail, Move, Wait, decide, reap
+from gateway.cluster.reaper import Move, Wait, decide, reap
 from gateway.cluster.records import HostRecord, SandboxRecord
 from gateway.sandbox.states import State
 
@@ -21,21 +22,70 @@ def run(records, live=LIVE, mib=512):
                   rng=random.Random(0))
 
 
-@pytest.mark.parametrize("state,snapshot,expect", [
-    (State.SUSPENDED, SNAP, Move("s", "b", SNAP)),
-    (State.SUSPENDED, "", Fail("s", "host a died before its snapshot was uploaded: lost")),
-    (State.RUNNING, "", Fail("s", "host a died while it was running: its memory is lost; "
-                                  "nothing was uploaded: lost")),
-    (State.PAUSED, SNAP, Fail("s", "host a died while it was paused: its memory is lost; "
-                                   f"its disk as of its last suspend is at {SNAP}")),
-    (State.RESTORING, "", Fail("s", "host a died while it was restoring: its memory is "
-                                    "lost; nothing was uploaded: lost")),
-    (State.FAILED, SNAP, None),
-    (State.DESTROYED, "", None),
+AT = 1796392800.0  # 2026-12-04 14:00:00 UTC
+F = State.FAILED
+
+
+# One row per case of the reaper's table (docs/cluster.md "The reaper"): the record on the
+# dead host "a" (state, snapshot, its base, reason), and the one action: (state it moves in,
+# to which host, the snapshot it names, words its reason must hold), or None.
+@pytest.mark.parametrize("state,snapshot,base,why,expect", [
+    # suspended and shipped: moved SUSPENDED to the emptiest host; adopted and woken there
+    (State.SUSPENDED, SNAP, "", "", (State.SUSPENDED, "b", SNAP, [])),
+    # suspended, upload unfinished: moved FAILED with nothing
+    (State.SUSPENDED, "", "", "", (F, "b", "", [
+        "host a died; it was suspended but its snapshot was not uploaded yet",
+        "nothing of it was uploaded: everything is lost; delete it"])),
+    # running, never shipped: moved FAILED with nothing
+    (State.RUNNING, "", "", "", (F, "b", "", [
+        "host a died; it was running: its memory is lost",
+        "nothing of it was uploaded: everything is lost"])),
+    # paused, shipped before (woken since): moved FAILED with its last disk; cold-booted there
+    (State.PAUSED, SNAP, "", "", (F, "b", SNAP, [
+        "it was paused: its memory is lost",
+        "its disk is as of its last suspend at 2026-12-04 14:00:00 UTC",
+        "files written since are lost"])),
+    (State.RESTORING, "", "", "", (F, "b", "", ["it was restoring", "everything is lost"])),
+    (State.CREATING, "", "", "", (F, "b", "", ["it was creating", "everything is lost"])),
+    (State.SUSPENDING, SNAP, "", "", (F, "b", SNAP, ["it was suspending", "its disk is as of"])),
+    # running, shipped, its base held only by c (b is emptier): to c, with the disk
+    (State.RUNNING, SNAP, "1" * 64, "", (F, "c", SNAP, ["its disk is as of"])),
+    # running, shipped, no live host holds its base: FAILED with nothing, the upload kept
+    (State.RUNNING, SNAP, "3" * 64, "", (F, "b", "", [
+        "stands on base 3333333333333333, which no live host holds",
+        "the upload stays in the object store"])),
+    # already FAILED on the dead host (an earlier version's reaper left it there, or it
+    # failed before the host died): moved, its old reason kept in the new one
+    (F, SNAP, "", "crashed", (F, "b", SNAP, ["it had failed (crashed)", "its disk is as of"])),
+    (F, "", "", "", (F, "b", "", ["it had failed (no reason recorded)", "everything is lost"])),
+    (State.DESTROYED, "", "", "", None),
 ])
-def test_one_sandbox(state, snapshot, expect):
-    got = run([SandboxRecord("s", "a", state, gen=3, snapshot=snapshot)])
-    assert got == ([] if expect is None else [expect])
+def test_one_sandbox(state, snapshot, base, why, expect):
+    live = [LIVE[0], HostRecord("c", "c:1", total_mib=4096, free_mib=1024, total_vcpus=4,
+                                free_vcpus=4, bases=("1" * 64,))]
+    got = run([SandboxRecord("s", "a", state, gen=3, snapshot=snapshot, base=base,
+                             reason=why, snapshot_at=AT if snapshot else 0.0)], live=live)
+    if expect is None:
+        assert got == []
+        return
+    [move] = got
+    to_state, host, snap, words = expect
+    assert (move.state, move.to_host, move.snapshot) == (to_state, host, snap), move
+    for w in words:
+        assert w in move.reason, (w, move.reason)
+    assert move.reason == "" if to_state is State.SUSPENDED else len(move.reason) <= 1024
+
+
+def test_a_failed_one_goes_even_to_a_full_fleet_but_waits_for_a_live_host():
+    # A FAILED sandbox holds nothing until a request boots it: no room is no reason to
+    # leave it unreachable on a dead host's name. With no live host at all it waits.
+    [move] = run([SandboxRecord("s", "a", State.RUNNING)], mib=8192)
+    assert (move.state, move.to_host) == (State.FAILED, "b")
+    [wait] = run([SandboxRecord("s", "a", State.RUNNING)], live=[])
+    assert isinstance(wait, Wait) and "no live host" in wait.reason
+    # A suspended one still waits for room (waking it will need it).
+    assert isinstance(run([SandboxRecord("s", "a", State.SUSPENDED, snapshot=SNAP)],
+                          mib=8192)[0], Wait)
 
 
 def test_records_of_other_hosts_are_left_alone():
@@ -86,7 +136,7 @@ class FakeOwnership:
         if current.record.id in self.conflict:
             raise OwnershipConflict("changed since read", None)
         self.moves.append((current.record.id, to_host, state, guards))
-        new = current.record.moved_to(to_host, state)
+        new = dataclasses.replace(current.record.moved_to(to_host, state), **changes)
         self.records[new.id] = Versioned(new, 100)
         return self.records[new.id]
 
@@ -102,7 +152,10 @@ async def test_reap_applies_moves_and_failures_with_the_leader_guard():
     done = await reap(fake, "a", LIVE, guard=guard, request_for=lambda r: Request(512, 1),
                       k=5)
     assert [(m[0], m[1], m[2]) for m in fake.moves] == [
-        ("s1", "b", State.SUSPENDED), ("s2", "a", State.FAILED)]
+        ("s1", "b", State.SUSPENDED), ("s2", "b", State.FAILED)]
+    s2 = fake.records["s2"].record
+    assert (s2.host, s2.gen, s2.state, s2.snapshot) == ("b", 2, State.FAILED, SNAP)
+    assert s2.reason.startswith("host a died; it was running: its memory is lost; its disk")
     assert all(m[3] == (guard,) for m in fake.moves)
     assert fake.records["s1"].record.gen == 5
     assert [a.sandbox_id for a in done] == ["s1", "s2"]
@@ -172,10 +225,13 @@ async def test_the_loop_reaps_only_due_hosts_with_work_left():
     table.hosts = {h.name: h for h in LIVE}
     table.sandboxes = {
         "s1": SandboxRecord("s1", "a", State.SUSPENDED, snapshot=SNAP),
-        "s2": SandboxRecord("s2", "d", State.FAILED),  # done already: d is not reaped
-        "s3": SandboxRecord("s3", "b", State.RUNNING)}
+        "s2": SandboxRecord("s2", "d", State.FAILED),  # FAILED on dead d: moved too
+        "s3": SandboxRecord("s3", "b", State.RUNNING),  # live b's: untouched
+        "s4": SandboxRecord("s4", "e", State.DESTROYED)}  # nothing left to do: e not reaped
     fake = FakeOwnership(list(table.sandboxes.values()))
     loop = ReaperLoop(None, fake, table, "b", lambda: 7, grace=0.0)
     done = await loop.one_pass({"guard": 1})
-    assert done == [Move("s1", "b", SNAP)] and [m[0] for m in fake.moves] == ["s1"]
-    assert set(loop.absent_since) == {"a"}
+    assert done[0] == Move("s1", "b", SNAP)
+    assert [m[:3] for m in fake.moves] == [("s1", "b", State.SUSPENDED),
+                                           ("s2", "b", State.FAILED)]
+    assert set(loop.absent_since) == {"a", "d"}

@@ -41,7 +41,9 @@ def make(tmp_path, state=State.SUSPENDED, store=None):
 
     async def local(sandbox_id):
         return LocalSnapshot(d, ["memory"], BASE, {"tenant": "t", "vcpus": 2,
-                                                   "memory_mib": 512, "disk_mib": 0})
+                                                   "memory_mib": 512, "disk_mib": 0,
+                                                   "template": "python",
+                                                   "suspended_at": 1796392800.5})
 
     store = store or MemStore()
     return Shipper(store, own, "h1", lambda: 7, local, key_prefix="p"), own, store
@@ -58,6 +60,8 @@ async def test_suspend_uploads_then_records(tmp_path):
     # The reaper places it from the record alone: its base and shape ride along.
     rec = own.current.record
     assert (rec.base, rec.vcpus, rec.memory_mib, rec.disk_mib) == (BASE, 2, 512, 0)
+    # ... whose it is, and when the snapshot was made (the reaper's reason names it).
+    assert (rec.tenant, rec.template, rec.snapshot_at) == ("t", "python", 1796392800.5)
     await shipper.aclose()
 
 

@@ -199,6 +199,28 @@ def test_restore_failures_that_cannot_improve_fall_back_to_a_cold_boot_at_once(
     assert c.StartOp(c.Op.COLD_BOOT) in ask(k)
 
 
+def test_a_failed_sandbox_with_no_disk_is_answered_sandbox_lost_never_booted():
+    # Adopted with nothing (its host died before any of it was shipped): the shell found
+    # no disk, so the core rejects every request at once (410), starts nothing, and the
+    # sandbox can still be destroyed.
+    k = c.SandboxCore(S.FAILED, c.Policy(cold_boot_failed_at_once=True), lost=True)
+    k.handle(c.RequestEntered())
+    [reject] = ask(k)
+    assert isinstance(reject, c.Reject) and reject.error.code == "sandbox_lost"
+    assert reject.error.status == 410 and (k.state, k.op, k.entering) == (S.FAILED, None, 0)
+    assert records(k.handle(c.DestroyRequested("deleted by API"))) == [E.DESTROY]
+    # A cold boot that finds no disk: FAILED, lost from then on (no second attempt).
+    k = core(S.FAILED)
+    k.handle(c.RequestEntered())
+    assert c.StartOp(c.Op.COLD_BOOT) in ask(k)
+    cmds = k.handle(c.RestoreFailedEvent("the sandbox has no disk to boot", False, False,
+                                         disk_missing=True))
+    assert records(cmds) == [E.SNAPSHOT_LOST] and (k.state, k.op, k.lost) == (S.FAILED, None, True)
+    assert c.wake_error("s", "x", False, lost=True).code == "sandbox_lost"
+    k.handle(c.RequestEntered())
+    assert isinstance(ask(k)[-1], c.Reject)
+
+
 def test_transient_restore_failures_are_retried_a_bounded_number_of_times():
     k = restoring(max_restore_attempts=2)
     assert records(k.handle(c.RestoreFailedEvent("EMFILE", False, False))) == [E.RESTORE_FAILED]

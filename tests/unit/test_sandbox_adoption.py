@@ -21,6 +21,7 @@ from gateway.sandbox.states import State
 from gateway.store.registry import Registry, SandboxRecord
 from tests.unit.test_cluster_shipping import MemStore
 from vmctl import store
+from vmctl.disks import QemuLayout
 from vmctl.spec import Accel, SnapshotFiles
 
 needs_qemu_img = pytest.mark.skipif(shutil.which("qemu-img") is None, reason="no qemu-img")
@@ -82,7 +83,8 @@ class FakeService:
         self.registry = Registry(tmp / "hostB" / "registry.sqlite")
         self.sandboxes_dir = tmp / "hostB" / "sandboxes"
         self.config = SimpleNamespace(server=SimpleNamespace(images_dir=images))
-        self.backend = SimpleNamespace(config=SimpleNamespace(network=None))
+        self.backend = SimpleNamespace(config=SimpleNamespace(network=None),
+                                       layout=QemuLayout())
         self.claimed: set[int] = set()
         self.released: list[int] = []
 
@@ -204,6 +206,46 @@ async def test_a_failed_adoption_leaves_nothing_and_a_retry_starts_clean(tmp_pat
     del service.registry.insert_sandbox
     got = await adoption.adopt(service, SID, fetcher(objects, location, {base}), base=base)
     assert got.state is State.SUSPENDED
+
+
+@needs_qemu_img
+async def test_a_failed_sandbox_is_adopted_with_only_its_last_disk_or_nothing(tmp_path,
+                                                                               no_network):
+    # Its host died while it ran: its last shipped snapshot's disk is all that is left.
+    images = tmp_path / "images"
+    golden = await make_golden(images)
+    rec = await suspended_on_a(tmp_path, golden)
+    objects = MemStore()
+    location = await ship(rec, objects)
+    base = base_identity(golden)
+    shutil.rmtree(tmp_path / "hostA")
+    service = FakeService(tmp_path, images)
+    why = "host a died; it was running: its memory is lost; its disk is as of ..."
+    got = await adoption.adopt(service, SID, fetcher(objects, location, {base}), base=base,
+                               from_host="a", failed=why)
+    root = service.sandboxes_dir / SID
+    assert (got.state, got.failure, got.tenant, got.template) == (
+        State.FAILED, why, "t1", "python")
+    # Only the disk, where the sandbox's own disk lives, standing on this host's golden:
+    # the memory and device state are not kept (a request cold-boots the disk).
+    assert sorted(p.name for p in root.iterdir()) == ["disk.qcow2"]
+    assert await adoption.backing_file(root / "disk.qcow2") == str(
+        (golden / "disk.qcow2").resolve())
+    assert not list(service.sandboxes_dir.glob(".adopt-*"))
+    assert [(r["to_state"], r["event"]) for r in service.registry.transitions(SID)] == [
+        ("failed", "adopt")]
+
+    # Nothing was shipped: registered FAILED with nothing, from the record's words.
+    other = "fedcba9876543210"
+    lost = await adoption.adopt(service, other, None, failed="host a died; all lost",
+                                meta={"tenant": "t2", "template": "python", "vcpus": 2})
+    assert (lost.state, lost.failure, lost.tenant, lost.vcpus) == (
+        State.FAILED, "host a died; all lost", "t2", 2)
+    assert list((service.sandboxes_dir / other).iterdir()) == []
+    assert lost.golden == str(golden) and lost.slot != got.slot
+    with pytest.raises(AdoptionError, match="tenant"):
+        await adoption.adopt(service, "00000000000000aa", None, failed="x", meta={})
+    assert not (service.sandboxes_dir / "00000000000000aa").exists()
 
 
 def test_relocate_moves_root_paths_and_points_a_compact_memory_at_this_golden(tmp_path):

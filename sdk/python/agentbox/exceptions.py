@@ -240,12 +240,12 @@ _BY_STATUS_CODES = frozenset({
     "image_error", "disk_error", "network_error", "context_start_failed", "forward_failed",
     "port_not_listening", "port_closed", "bad_gateway", "upstream_timeout", "hold_queue_full",
     "sandbox_limit", "unavailable", "template_exists", "template_builtin",
-    "host_fenced", "owner_unavailable", "forward_loop",
+    "host_fenced", "owner_unavailable", "forward_loop", "sandbox_lost",
 })
 
 _BY_STATUS: dict[int, type[AgentBoxError]] = {
     400: InvalidArgumentError, 401: AuthenticationError, 403: PermissionDeniedError,
-    404: NotFoundError, 405: EndpointNotFoundError, 409: ConflictError,
+    404: NotFoundError, 405: EndpointNotFoundError, 409: ConflictError, 410: SandboxError,
     413: PayloadTooLargeError, 429: RateLimitError, 500: ServerError, 502: SandboxError,
     503: UnavailableError, 504: TimeoutError, 507: StorageFullError, 508: UnavailableError,
 }

@@ -208,7 +208,7 @@ export const ERROR_CODES: ReadonlyMap<string, ErrorClass> = new Map<string, Erro
     forward_failed`),
   ...codes(SandboxError, `restore_failed vm_start_failed vm_gone vmm_protocol_error
     snapshot_invalid agent_unreachable agent_error agent_protocol_error agent_reply_too_large
-    port_closed bad_gateway vm_error`),
+    port_closed bad_gateway vm_error sandbox_lost`),
   ...codes(UnavailableError, `unavailable sandbox_limit hold_queue_full sandbox_crashed
     template_building template_build_failed builds_unavailable host_fenced owner_unavailable
     forward_loop`),
@@ -221,7 +221,7 @@ export const ERROR_CODES: ReadonlyMap<string, ErrorClass> = new Map<string, Erro
 const BY_STATUS: ReadonlyMap<number, ErrorClass> = new Map<number, ErrorClass>([
   [400, InvalidArgumentError], [401, AuthenticationError], [403, PermissionDeniedError],
   [404, NotFoundError], [405, EndpointNotFoundError], [409, ConflictError],
-  [413, PayloadTooLargeError], [429, RateLimitError], [500, ServerError], [502, SandboxError],
+  [410, SandboxError], [413, PayloadTooLargeError], [429, RateLimitError], [500, ServerError], [502, SandboxError],
   [503, UnavailableError], [504, TimeoutError], [507, StorageFullError],
   [508, UnavailableError],
 ]);
