@@ -92,6 +92,17 @@ def holders(hosts: Iterable[HostRecord], base: str) -> list[HostRecord]:
     return [h for h in hosts if not base or base in h.bases]
 
 
+def choose_holder(hosts: Iterable[HostRecord], record: SandboxRecord, *,
+                  request_for: Callable[[SandboxRecord], Request] = request_of, k: int = 2,
+                  rng: random.Random | None = None) -> HostRecord:
+    """Where a shipped suspended sandbox goes (the reaper's and the drain's choice): a host
+    holding its base, chosen by placement for its shape. Raises ``NoCapacity``."""
+    able = holders(hosts, record.base)
+    if not able:
+        raise NoCapacity(f"no live host holds its base {record.base[:16]}")
+    return choose(able, request_for(record), k=k, rng=rng)
+
+
 def decide(dead: str, records: Iterable[SandboxRecord], live: Iterable[HostRecord], *,
            request_for: Callable[[SandboxRecord], Request] = request_of, k: int = 2,
            rng: random.Random | None = None) -> list[Action]:
@@ -102,13 +113,8 @@ def decide(dead: str, records: Iterable[SandboxRecord], live: Iterable[HostRecor
         if record.host != dead or record.state in (State.FAILED, State.DESTROYED):
             continue
         if record.state is State.SUSPENDED and record.snapshot:
-            able = holders(hosts, record.base)
-            if not able:
-                actions.append(Wait(record.id, f"no live host holds its base "
-                                               f"{record.base[:16]}"))
-                continue
             try:
-                to = choose(able, request_for(record), k=k, rng=rng)
+                to = choose_holder(hosts, record, request_for=request_for, k=k, rng=rng)
             except NoCapacity as exc:
                 actions.append(Wait(record.id, str(exc)))
                 continue
