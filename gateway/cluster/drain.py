@@ -188,6 +188,16 @@ def _not_shipped(me: str, record: SandboxRecord | None) -> str:
     return ""
 
 
+def why_left(record: SandboxRecord) -> str:
+    """(No I/O.) Why a record still names a draining host (what ``--wait`` prints)."""
+    if record.state is State.RUNNING:
+        return "running: its live migration has not finished"
+    if record.state is State.SUSPENDED:
+        return _not_shipped(record.host, record) or \
+            "suspended and shipped: no live, undrained host holding its base took it yet"
+    return f"{record.state.value}: moved once it runs, or is suspended and shipped"
+
+
 @dataclass
 class PassResult:
     moved: list[str] = field(default_factory=list)

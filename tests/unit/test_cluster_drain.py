@@ -253,3 +253,10 @@ async def test_the_node_gives_the_drainer_the_adopters_busy_set() -> None:
         assert node.drainer.settled == node.publisher.settled
     finally:
         await node.aclose()
+
+
+def test_what_the_cli_says_is_left() -> None:
+    assert "migration" in drain.why_left(SandboxRecord("r", "h0", State.RUNNING))
+    assert "not uploaded" in drain.why_left(suspended("s", snapshot=""))
+    assert "holding its base" in drain.why_left(suspended("s"))
+    assert drain.why_left(suspended("p", state=State.PAUSED)).startswith("paused")
