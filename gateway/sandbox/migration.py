@@ -143,7 +143,7 @@ async def hand_over(service: Any, sandbox_id: str, host: str,
     the held requests wake it here; the error is raised."""
     rec = service.registry.get(sandbox_id)
     if rec is None or rec.state is not State.SUSPENDED:
-        raise Conflict(f"sandbox {sandbox_id} is not suspended here", code="not_suspended")
+        raise Conflict(f"sandbox {sandbox_id} is not suspended here", code="conflict")
     ctl = service.controller(rec)
     await ctl.start_migrate(host, record_move)
     service.note_moved(sandbox_id, host)
