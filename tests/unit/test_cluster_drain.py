@@ -260,3 +260,54 @@ def test_what_the_cli_says_is_left() -> None:
     assert "not uploaded" in drain.why_left(suspended("s", snapshot=""))
     assert "holding its base" in drain.why_left(suspended("s"))
     assert drain.why_left(suspended("p", state=State.PAUSED)).startswith("paused")
+
+
+async def test_drain_wait_says_empty_or_what_is_left(monkeypatch, capsys) -> None:
+    """``agentbox-server drain HOST --wait S``: 0 and "empty" once only FAILED records name
+    the host; 1 after S seconds with each sandbox left and why."""
+    from gateway import cli
+    from gateway.cluster import etcd, ownership
+    from gateway.cluster.config import ClusterConfig
+    from gateway.cluster.ownership import Versioned
+
+    views = [{"r": SandboxRecord("r", "h0", State.RUNNING), "s": suspended("s"),
+              "f": SandboxRecord("f", "h0", State.FAILED, reason="x")},
+             {"s": suspended("s"), "f": SandboxRecord("f", "h0", State.FAILED, reason="x")},
+             {"f": SandboxRecord("f", "h0", State.FAILED, reason="x"),
+              "s": suspended("s", host="h1")}]
+
+    class FakeClient:
+        def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            pass
+
+        async def put(self, *args):  # type: ignore[no-untyped-def]
+            return None
+
+        async def aclose(self) -> None:
+            return None
+
+    class FakeOwnership:
+        def __init__(self, *args):  # type: ignore[no-untyped-def]
+            pass
+
+        async def list(self):  # type: ignore[no-untyped-def]
+            view = views.pop(0) if len(views) > 1 else views[0]
+            return 1, {sid: Versioned(r, 1) for sid, r in view.items()}
+
+    async def no_sleep(_: float) -> None:
+        return None
+
+    monkeypatch.setattr(etcd, "EtcdClient", FakeClient)
+    monkeypatch.setattr(ownership, "Ownership", FakeOwnership)
+    monkeypatch.setattr(cli.asyncio, "sleep", no_sleep)
+    config = ClusterConfig(enabled=True, endpoints=["http://127.0.0.1:1"], host="h9",
+                           advertise="127.0.0.1:8080")
+    assert await cli._drain(config, "h0", False, 60.0) == 0
+    out = capsys.readouterr().out
+    assert "h0: empty: 1 running and 1 suspended sandbox(es) moved" in out, out
+    assert "1 FAILED record(s) stay on its name" in out and ": f" in out
+
+    views[:] = [{"s": suspended("s", snapshot="")}]
+    assert await cli._drain(config, "h0", False, 0.001) == 1  # spins (no sleep) past it
+    err = capsys.readouterr().err
+    assert "not empty" in err and "s: suspended: its snapshot is not uploaded yet" in err, err
