@@ -214,7 +214,7 @@ class Drainer:
                  admin_key: Callable[[], str], rng: random.Random | None = None, *,
                  records: Callable[[], Mapping[str, SandboxRecord]] = dict,
                  hand_over: HandOverer | None = None,
-                 shape: Callable[[str], Request] = lambda sandbox_id: DEFAULT_SHAPE,
+                 shape: Callable[[str], Request] | None = None,
                  settled: Callable[[str], bool] = lambda sandbox_id: True,
                  busy: set[str] | None = None,
                  after: Callable[[str], None] = lambda sandbox_id: None,
@@ -224,7 +224,8 @@ class Drainer:
         self.hosts, self.draining, self.local, self.move = hosts, draining, local, move
         self.admin_key = admin_key
         self.rng = rng or random.Random()
-        self.records, self.hand_over, self.shape = records, hand_over, shape
+        self.records, self.hand_over = records, hand_over
+        self.shape = shape or (lambda sandbox_id: DEFAULT_SHAPE)  # a running one's Request
         # settled: no local change of the sandbox waits to be published (its record is
         # current); busy: the adopter's set; after: a move ended (the adopter looks again).
         self.settled, self.after, self.k = settled, after, k

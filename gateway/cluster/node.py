@@ -167,14 +167,13 @@ class ClusterNode:
             if adopter is not None and record is not None:
                 adopter.consider(record)
 
-        extra: dict[str, Any] = {} if shape is None else {"shape": shape}
         drainer = Drainer(self.config.host, self.client, self.keys,
                           lambda: list(table.hosts.values()), lambda: table.draining, local,
                           move, admin_key, rng=self.rng, records=lambda: table.sandboxes,
                           hand_over=hand_over if adopter is not None else None,
                           settled=self.publisher.settled,
                           busy=adopter.busy if adopter is not None else None, after=after,
-                          k=self.config.placement_choices, **extra)
+                          k=self.config.placement_choices, shape=shape)
         self.drainer = drainer
         task = asyncio.get_running_loop().create_task(drainer.run(),
                                                       name=f"drain:{self.config.host}")
