@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 
 from gateway.cluster import placement
-from gateway.cluster.errors import ClusterError, NoCapacity, OwnershipConflict
+from gateway.cluster.errors import ClusterError, EtcdUnavailable, NoCapacity, OwnershipConflict
 from gateway.cluster.etcd import EtcdClient
 from gateway.cluster.keys import Keys
 from gateway.cluster.ownership import Ownership
@@ -47,6 +47,7 @@ from gateway.sandbox.states import State
 log = logging.getLogger(__name__)
 
 PASS_EVERY_S = 2.0
+READ_BACK_S = 10.0  # a hand-over whose record move's answer was lost: etcd read back this long
 PEER_TIMEOUT_S = 120.0  # prepare and commit wait on a VMM start / the whole stream's load
 
 
@@ -314,5 +315,28 @@ class Drainer:
             if current is None or record is None or (record.host, record.state, record.snapshot) \
                     != (self.host, State.SUSPENDED, action.snapshot):
                 raise ClusterError(f"its record changed since the pass read it: {record}")
-            await self.ownership.move(current, action.to_host, State.SUSPENDED)
+            try:
+                await self.ownership.move(current, action.to_host, State.SUSPENDED)
+            except EtcdUnavailable as exc:  # its outcome unknown: still held, read it back
+                await self._landed(action, record.gen + 1, exc)
         return move_record
+
+    async def _landed(self, action: HandOver, gen: int, lost: Exception) -> None:
+        """Return if the hand-over's move landed (the record names the destination at
+        ``gen``); raise if it did not, or if etcd still does not say within
+        ``READ_BACK_S`` (the sandbox then stays here: docs/cluster.md, "Not built yet")."""
+        deadline = asyncio.get_running_loop().time() + READ_BACK_S
+        while True:
+            try:
+                now = await self.ownership.get(action.sandbox_id)
+            except ClusterError:
+                now = None
+            else:
+                if now is not None and (now.record.host, now.record.gen) == \
+                        (action.to_host, gen):
+                    return
+                raise ClusterError(f"the record's move did not land ({lost})")
+            if asyncio.get_running_loop().time() > deadline:
+                raise ClusterError(f"the record's move is unknown ({lost}); etcd did not "
+                                   f"answer for {READ_BACK_S:g} s")
+            await asyncio.sleep(1.0)

@@ -311,3 +311,32 @@ async def test_drain_wait_says_empty_or_what_is_left(monkeypatch, capsys) -> Non
     assert await cli._drain(config, "h0", False, 0.001) == 1  # spins (no sleep) past it
     err = capsys.readouterr().err
     assert "not empty" in err and "s: suspended: its snapshot is not uploaded yet" in err, err
+
+
+async def test_a_handover_whose_answer_is_lost_reads_the_record_back() -> None:
+    """etcd did not say whether the record's move landed: while the requests are still
+    held, the record is read back; landed -> moved, as it was -> not moved (stays here)."""
+    from gateway.cluster.errors import EtcdUncertain
+
+    class LostAnswer(FakeOwnership):
+        def __init__(self, record: SandboxRecord, lands: bool) -> None:
+            super().__init__(record)
+            self.lands = lands
+
+        async def move(self, current, to_host, state, guards=()):  # type: ignore[no-untyped-def]
+            if self.lands:
+                await super().move(current, to_host, state)
+            raise EtcdUncertain("answer lost")
+
+    action = drain.HandOver("s", "h1", SNAP)
+    for lands in (True, False):
+        drainer = drain.Drainer("h0", None, KEYS, list, set, list, None, str)  # type: ignore[arg-type]
+        own = LostAnswer(suspended("s"), lands)
+        drainer.ownership = own  # type: ignore[assignment]
+        if lands:
+            await drainer._handover_record(action)()
+            assert (own.record.host, own.record.gen) == ("h1", 4)
+        else:
+            with pytest.raises(drain.ClusterError, match="did not land"):
+                await drainer._handover_record(action)()
+            assert own.record.host == "h0"
