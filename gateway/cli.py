@@ -58,14 +58,17 @@ def _server_commands(sub: argparse._SubParsersAction) -> None:
     gc.add_argument("--apply", action="store_true", help="really delete")
     images.set_defaults(func=_cmd_images)
 
-    drain = sub.add_parser("drain", help="move every running sandbox off a fleet host by live "
-                                         "migration; placement skips it from now on")
+    drain = sub.add_parser("drain", help="move every sandbox off a fleet host (running ones by "
+                                         "live migration, suspended ones by their shipped "
+                                         "snapshot); placement skips it from now on")
     drain.add_argument("host", help="the host's [cluster] host name")
     drain.add_argument("--config", type=Path, help="a config with the fleet's [cluster]")
     drain.add_argument("--undo", action="store_true", help="unmark: the host takes sandboxes "
                                                            "again")
     drain.add_argument("--wait", type=float, default=600.0, metavar="SECONDS",
-                       help="wait until no running sandbox is left on it (0: mark and exit)")
+                       help="wait until the host is empty (no running or suspended sandbox "
+                            "left on it), exit 1 after SECONDS saying what is left and why "
+                            "(0: mark and exit)")
     drain.set_defaults(func=_cmd_drain)
 
 
@@ -209,18 +212,30 @@ async def _drain(config, host: str, undo: bool, wait: float) -> int:  # type: ig
         if undo or wait <= 0:
             return 0
         ownership, deadline = Ownership(client, config.keys), time.monotonic() + wait
+        first: dict[str, State] | None = None
         while True:
             _, records = await ownership.list()
-            mine = [v.record for v in records.values() if v.record.host == host]
-            running = [r.id for r in mine if r.state is State.RUNNING]
-            if not running:
-                others = len([r for r in mine if r.state is not State.DESTROYED])
-                print(f"{host}: no running sandbox left ({others} other record(s) still "
-                      "name it: suspended ones are not moved by a drain yet)")
+            mine = {v.record.id: v.record for v in records.values() if v.record.host == host
+                    and v.record.state is not State.DESTROYED}
+            if first is None:
+                first = {sid: r.state for sid, r in mine.items()}
+            left = {sid: drain.why_left(r) for sid, r in mine.items()
+                    if r.state is not State.FAILED}
+            if not left:
+                moved = [first[sid] for sid in first if sid not in mine]
+                print(f"{host}: empty: {moved.count(State.RUNNING)} running and "
+                      f"{moved.count(State.SUSPENDED)} suspended sandbox(es) moved off it "
+                      f"(of {len(moved)} gone)")
+                failed = sorted(sid for sid, r in mine.items() if r.state is State.FAILED)
+                if failed:
+                    print(f"{host}: {len(failed)} FAILED record(s) stay on its name (a drain "
+                          f"does not move them): {', '.join(failed[:20])}")
                 return 0
             if time.monotonic() > deadline:
-                print(f"{host}: {len(running)} running sandbox(es) still there after "
-                      f"{wait:g}s: {', '.join(running[:20])}", file=sys.stderr)
+                print(f"{host}: not empty after {wait:g}s; {len(left)} sandbox(es) left:",
+                      file=sys.stderr)
+                for sid, why in sorted(left.items())[:50]:
+                    print(f"  {sid}: {why}", file=sys.stderr)
                 return 1
             await asyncio.sleep(1.0)
     finally:

@@ -154,15 +154,29 @@ class ClusterNode:
         return self.config.host in self.routes.table.draining
 
     def start_drainer(self, local: Callable[[], list[tuple[str, State]]], move: Any,
-                      admin_key: Callable[[], str]) -> None:
+                      admin_key: Callable[[], str], *, hand_over: Any = None,
+                      shape: Callable[[str], Any] | None = None) -> None:
         """Drain this host whenever it is marked (gateway/cluster/drain.py); stopped with
-        the node."""
+        the node. ``hand_over``: gateway.sandbox.migration.hand_over (suspended sandboxes,
+        with an object store); ``shape``: a sandbox's placement Request. Every sandbox it
+        moves is in the adopter's ``busy`` set meanwhile (not evicted under the move)."""
         from gateway.cluster.drain import Drainer
 
         table = self.routes.table
+        adopter = self.adopter
+
+        def after(sandbox_id: str) -> None:  # a move ended: the adopter looks at it again
+            record = table.sandboxes.get(sandbox_id)
+            if adopter is not None and record is not None:
+                adopter.consider(record)
+
         drainer = Drainer(self.config.host, self.client, self.keys,
                           lambda: list(table.hosts.values()), lambda: table.draining, local,
-                          move, admin_key, rng=self.rng)
+                          move, admin_key, rng=self.rng, records=lambda: table.sandboxes,
+                          hand_over=hand_over if adopter is not None else None,
+                          settled=self.publisher.settled,
+                          busy=adopter.busy if adopter is not None else None, after=after,
+                          k=self.config.placement_choices, shape=shape)
         self.drainer = drainer
         task = asyncio.get_running_loop().create_task(drainer.run(),
                                                       name=f"drain:{self.config.host}")

@@ -74,6 +74,10 @@ class Publisher:
     def pending(self) -> int:
         return len(self._pending)
 
+    def settled(self, sandbox_id: str) -> bool:
+        """No local change of ``sandbox_id`` waits to be written: its record says its state."""
+        return sandbox_id not in self._pending
+
     async def _run(self) -> None:
         while True:
             await self._wake.wait()

@@ -94,6 +94,17 @@ def holders(hosts: Iterable[HostRecord], base: str) -> list[HostRecord]:
     return [h for h in hosts if not base or base in h.bases]
 
 
+def choose_holder(hosts: Iterable[HostRecord], record: SandboxRecord, *,
+                  request_for: Callable[[SandboxRecord], Request] = request_of, k: int = 2,
+                  rng: random.Random | None = None) -> HostRecord:
+    """Where a shipped suspended sandbox goes (the reaper's and the drain's choice): a host
+    holding its base, chosen by placement for its shape. Raises ``NoCapacity``."""
+    able = holders(hosts, record.base)
+    if not able:
+        raise NoCapacity(f"no live host holds its base {record.base[:16]}")
+    return choose(able, request_for(record), k=k, rng=rng)
+
+
 def when(at: float) -> str:
     """(No I/O.) A snapshot's time as a reason names it."""
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at)) if at > 0 else "unknown time"
@@ -131,12 +142,8 @@ def decide(dead: str, records: Iterable[SandboxRecord], live: Iterable[HostRecor
         request = request_for(record)
         able = holders(hosts, record.base) if record.snapshot else []
         if record.state is State.SUSPENDED and record.snapshot:
-            if not able:
-                actions.append(Wait(record.id, f"no live host holds its base "
-                                               f"{record.base[:16]}"))
-                continue
             try:
-                to = choose(able, request, k=k, rng=rng)
+                to = choose_holder(hosts, record, request_for=request_for, k=k, rng=rng)
             except NoCapacity as exc:
                 actions.append(Wait(record.id, str(exc)))
                 continue
@@ -152,7 +159,7 @@ def decide(dead: str, records: Iterable[SandboxRecord], live: Iterable[HostRecor
             to = _pick(able or hosts, request, k, rng)
             actions.append(Move(record.id, to.name, record.snapshot if disk else "",
                                 State.FAILED, failed_reason(dead, record, disk)))
-        hosts = [_taken(h, request) if h.name == to.name else h for h in hosts]
+        hosts = [after_placing(h, request) if h.name == to.name else h for h in hosts]
     return actions
 
 
@@ -167,7 +174,7 @@ def _pick(hosts: list[HostRecord], request: Request, k: int,
         return min(hosts, key=lambda h: cost(h, request))
 
 
-def _taken(host: HostRecord, request: Request) -> HostRecord:
+def after_placing(host: HostRecord, request: Request) -> HostRecord:
     """The host as placement should see it after this pass gave it ``request``: several
     sandboxes of one dead host must not all land on the host that looked emptiest."""
     return replace(host, free_mib=max(0, host.free_mib - request.memory_mib),

@@ -281,7 +281,8 @@ def _drain_through(app: web.Application, config: Config, service: SandboxService
                    node: cluster_node.ClusterNode) -> None:
     """[cluster] on: take sandboxes other hosts move here, and move this host's away while
     it is marked draining (docs/cluster.md, "Drain")."""
-    from gateway.sandbox.migration import Arrivals, move_sandbox
+    from gateway.cluster.placement import Request
+    from gateway.sandbox.migration import Arrivals, hand_over, move_sandbox
 
     # The migration streams come to the advertised address (its port: the daemon's own
     # API; each migration listens on a port of its own, chosen by the kernel).
@@ -297,8 +298,22 @@ def _drain_through(app: web.Application, config: Config, service: SandboxService
     async def move(sandbox_id: str, host: str, peer: Any, record_move: Any) -> Any:
         return await move_sandbox(service, sandbox_id, host, peer, record_move)
 
+    async def give(sandbox_id: str, host: str, record_move: Any) -> None:
+        await hand_over(service, sandbox_id, host, record_move)
+
+    def shape(sandbox_id: str) -> Request:
+        """The sandbox's own shape (its row; 0 = its golden's), for placement."""
+        rec = service.registry.get(sandbox_id)
+        if rec is None:
+            raise LookupError(f"no sandbox {sandbox_id} here")
+        if rec.vcpus and rec.memory_mib:
+            return Request(memory_mib=rec.memory_mib, vcpus=rec.vcpus)
+        golden = service.golden_for(rec)
+        return Request(memory_mib=rec.memory_mib or golden.mem_mib,
+                       vcpus=rec.vcpus or golden.vcpus)
+
     node.start_drainer(lambda: [(r.id, r.state) for r in service.registry.list()], move,
-                       admin_key)
+                       admin_key, hand_over=give, shape=shape)
 
 
 async def _share_keys_and_quotas(service: SandboxService, node: cluster_node.ClusterNode

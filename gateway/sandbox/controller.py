@@ -329,7 +329,8 @@ class SandboxController:
         return self._op
 
     def start_migrate(self, host: str, move: Callable[[], Awaitable[None]]) -> asyncio.Future:
-        """Begin moving the running sandbox to ``host`` (a drain): ``move()`` does it
+        """Begin moving the running (or shipped SUSPENDED) sandbox to ``host`` (a drain):
+        ``move()`` does it
         (``gateway.sandbox.migration``) and returns once the guest runs there, or raises
         with the VM running here again. New requests are held meanwhile. Returns a future
         of the move's outcome (it raises what ``move`` raised; the held requests do not

@@ -661,8 +661,16 @@ class SandboxCore:
     # record etcd holds) and the held requests are refused with SandboxMoved, which the
     # routing middleware forwards to the new owner. A move that failed left the VM running
     # here (vmctl guarantees it) and the held requests are admitted.
+    #
+    # A SUSPENDED sandbox whose snapshot is shipped moves the same way, with nothing to
+    # copy: the op is the record's compare-and-set (the other host adopts it from the
+    # object store). Held meanwhile, no request can wake it here between the decision and
+    # the move; a move that failed leaves it SUSPENDED, and the held requests wake it here.
 
     def _on_MigrateRequested(self, ev: MigrateRequested) -> list[Command]:
+        if self.state is S.SUSPENDED and self.op is None:
+            self.op = Op.MIGRATE
+            return [StartOp(Op.MIGRATE)]
         if not self.serving:
             return [Reject(Conflict(f"sandbox is {self.state.value}"
                                     f"{' (' + self.op.value + ' under way)' if self.op else ''}",
@@ -684,6 +692,8 @@ class SandboxCore:
 
     def _on_MigrateFailed(self, ev: MigrateFailed) -> list[Command]:
         self.op = None
+        if self.state is S.SUSPENDED:
+            return []  # its record stays here; held requests ask again and wake it
         if ev.vm_alive:
             return [Touch()]  # still RUNNING here; held requests ask again and are admitted
         self.vmm_pid = None

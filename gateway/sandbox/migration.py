@@ -132,6 +132,24 @@ async def move_sandbox(service: Any, sandbox_id: str, host: str, peer: Peer,
     return stats
 
 
+async def hand_over(service: Any, sandbox_id: str, host: str,
+                    record_move: Callable[[], Awaitable[None]]) -> None:
+    """Give a SUSPENDED sandbox whose snapshot is shipped to ``host`` (a drain): its
+    controller holds new requests (``SandboxCore`` MIGRATE) while ``record_move`` moves
+    the etcd record (compare-and-set; ``host`` adopts it from the object store); then the
+    local copy goes (row DESTROYED "moved to host ...", namespace and files removed) and
+    the held requests are refused with ``SandboxMoved``, which the routing middleware
+    forwards to ``host``. If ``record_move`` raises, the sandbox stays SUSPENDED here and
+    the held requests wake it here; the error is raised."""
+    rec = service.registry.get(sandbox_id)
+    if rec is None or rec.state is not State.SUSPENDED:
+        raise Conflict(f"sandbox {sandbox_id} is not suspended here", code="conflict")
+    ctl = service.controller(rec)
+    await ctl.start_migrate(host, record_move)
+    service.note_moved(sandbox_id, host)
+    service.forget(sandbox_id)
+
+
 class Arrivals:
     """The destination's side: sandboxes on their way here, by id."""
 

@@ -90,11 +90,54 @@ async def test_a_move_that_lost_the_vm_fails_the_sandbox(registry) -> None:  # n
     assert ctl.state is State.FAILED
 
 
-async def test_only_a_serving_sandbox_moves(registry) -> None:  # noqa: F811
+async def test_a_waking_sandbox_does_not_move(registry) -> None:  # noqa: F811
     ctl, _ = make(registry, state=State.SUSPENDED)
 
     async def move() -> None:
         raise AssertionError("not expected")
 
-    with pytest.raises(Exception, match="suspended"):
+    waking = asyncio.ensure_future(one_request(ctl))
+    await asyncio.sleep(0)  # the request began its wake
+    with pytest.raises(Exception, match="restor"):
         ctl.start_migrate("host-b", move)
+    await waking
+
+
+async def test_a_handed_over_suspended_sandbox_never_wakes_here(registry) -> None:  # noqa: F811
+    """A drain hands a shipped SUSPENDED sandbox over (its record's compare-and-set as the
+    op): requests arriving meanwhile are held, not woken here; after the record moved they
+    are refused with SandboxMoved (forwarded), and the local copy is gone."""
+    ctl, m = make(registry, state=State.SUSPENDED)
+    release = asyncio.Event()
+
+    async def record_move() -> None:
+        await release.wait()
+
+    outcome = ctl.start_migrate("host-b", record_move)
+    held = [asyncio.ensure_future(one_request(ctl)) for _ in range(3)]
+    await asyncio.sleep(0.05)
+    assert not any(h.done() for h in held) and ctl.entering == 3
+    assert m.wakes == 0 and ctl.state is State.SUSPENDED
+    release.set()
+    await outcome
+    results = await asyncio.gather(*held, return_exceptions=True)
+    assert all(isinstance(r, SandboxMoved) and r.host == "host-b" for r in results), results
+    assert m.wakes == 0 and m.cold_boots == 0 and ("destroy",) in m.calls
+    assert registry.get("sb1").state is State.DESTROYED
+    assert registry.transitions("sb1")[-1]["cause"] == "moved to host host-b"
+
+
+async def test_a_failed_handover_wakes_the_held_requests_here(registry) -> None:  # noqa: F811
+    ctl, m = make(registry, state=State.SUSPENDED)
+
+    async def record_move() -> None:
+        await asyncio.sleep(0.05)
+        raise RuntimeError("its record changed")
+
+    outcome = ctl.start_migrate("host-b", record_move)
+    held = [asyncio.ensure_future(one_request(ctl)) for _ in range(3)]
+    with pytest.raises(RuntimeError, match="record changed"):
+        await outcome
+    results = await asyncio.gather(*held)
+    assert len(results) == 3 and m.wakes == 1 and m.cold_boots == 0
+    assert ctl.state is State.RUNNING and ("destroy",) not in m.calls

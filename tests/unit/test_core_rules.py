@@ -266,6 +266,23 @@ RULES = [
         c.MigrateFailed("destination died", vm_alive=True), ["touch"], S.RUNNING),
     row("migration-failed-vm-lost", At(S.RUNNING, Op.MIGRATE),
         c.MigrateFailed("source died", vm_alive=False), ["record:crashed"], S.FAILED),
+    # a suspended sandbox handed over by its record (its snapshot shipped)
+    row("migrate-suspended", At(S.SUSPENDED, vmm_pid=None), c.MigrateRequested("host-b"),
+        ["start:migrate"], S.SUSPENDED, Op.MIGRATE),
+    row("migrate-refused-while-waking", At(S.SUSPENDED, Op.RESTORE, vmm_pid=None),
+        c.MigrateRequested("host-b"), ["reject:not_running"], S.SUSPENDED, Op.RESTORE),
+    row("request-held-not-woken-during-handover",
+        At(S.SUSPENDED, Op.MIGRATE, vmm_pid=None, entering=1), ASK, ["hold:30/30"],
+        S.SUSPENDED, Op.MIGRATE),
+    row("handed-over-suspended-goes", At(S.SUSPENDED, Op.MIGRATE, vmm_pid=None, entering=1),
+        c.MigrateFinished("host-b"), ["record:destroy", "abort:owner_unavailable", "remove"],
+        S.DESTROYED),
+    row("handover-failed-stays-suspended",
+        At(S.SUSPENDED, Op.MIGRATE, vmm_pid=None, entering=1),
+        c.MigrateFailed("record changed", vm_alive=False), [], S.SUSPENDED),
+    row("held-request-after-handover-failed-wakes-here",
+        At(S.SUSPENDED, vmm_pid=None, entering=1), ASK,
+        ["record:wake", "start:restore", "hold:30/30"], S.RESTORING, Op.RESTORE),
 ]
 
 
