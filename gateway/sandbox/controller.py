@@ -488,6 +488,8 @@ class SandboxController:
         assert self._move is not None
         host, move, outcome = self._move
         try:
+            while self._run(self.core.handle(c.DrainTick(time.monotonic()))):
+                await asyncio.sleep(DRAIN_POLL_S)  # requests in flight finish here first
             self._stop_watch()  # once moved, this VMM exits on purpose
             try:
                 await move()

@@ -577,6 +577,8 @@ class SandboxCore:
     def _on_DrainTick(self, ev: DrainTick) -> list[Command]:
         """Requests already admitted finish first; new ones are held meanwhile. Open
         streams can last forever: give up after ``drain_timeout``."""
+        if self.op is Op.MIGRATE:
+            return self._quiesce_for_move(ev)
         if self._drain_deadline is None:
             self._drain_deadline = ev.now + self.policy.drain_timeout
         if self.active and not self.cancel_suspend and ev.now <= self._drain_deadline:
@@ -591,6 +593,18 @@ class SandboxCore:
             return cmds
         self._suspend_from_pause = False  # the snapshot step continues a paused VM itself
         return [WriteSnapshot()]
+
+    def _quiesce_for_move(self, ev: DrainTick) -> list[Command]:
+        """Before a move's switch-over, requests already admitted finish (new ones are
+        held): their answers come from here. An open stream can last forever: after
+        ``drain_timeout`` the move goes on, and what is still in flight then is answered
+        ``owner_unavailable`` (it may have had effects: never re-sent)."""
+        if self._drain_deadline is None:
+            self._drain_deadline = ev.now + self.policy.drain_timeout
+        if self.active and ev.now <= self._drain_deadline:
+            return [WaitDrain()]
+        self._drain_deadline = None
+        return []
 
     def _on_SnapshotWritten(self, ev: SnapshotWritten) -> list[Command]:
         self.op = None
@@ -676,6 +690,7 @@ class SandboxCore:
                                     f"{' (' + self.op.value + ' under way)' if self.op else ''}",
                                     code="not_running"))]
         self.op = Op.MIGRATE
+        self._drain_deadline = None
         return [StartOp(Op.MIGRATE)]
 
     def _on_MigrateFinished(self, ev: MigrateFinished) -> list[Command]:

@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from gateway.errors import OwnerUnavailable, SandboxMoved
+from gateway.sandbox.controller import WakePolicy
 from gateway.sandbox.states import State
 from tests.unit.test_controller import FakeMachine, make, one_request, registry  # noqa: F401
 
@@ -34,19 +35,31 @@ async def test_held_requests_go_to_the_new_owner_after_the_move(registry) -> Non
     assert registry.transitions("sb1")[-1]["cause"] == "moved to host host-b"
 
 
-async def test_a_request_using_the_guest_at_the_switch_is_answered_not_resent(
-        registry) -> None:  # noqa: F811
+async def test_a_request_in_flight_finishes_here_before_the_switch(registry) -> None:  # noqa: F811
     ctl, m = make(registry, state=State.RUNNING)
-    release = asyncio.Event()
+    started: list[float] = []
 
     async def move() -> None:
-        await release.wait()
+        started.append(asyncio.get_running_loop().time())
+
+    busy = asyncio.ensure_future(one_request(ctl, hold=0.3))
+    await asyncio.sleep(0.02)
+    outcome = ctl.start_migrate("host-b", move)
+    await outcome
+    assert (await busy).woke is False  # answered from here, whole
+    assert busy.done() and started and ctl.state is State.DESTROYED
+
+
+async def test_an_endless_request_is_answered_not_resent_after_drain_timeout(
+        registry) -> None:  # noqa: F811
+    ctl, m = make(registry, state=State.RUNNING, policy=WakePolicy(drain_timeout=0.1))
+
+    async def move() -> None:
+        pass
 
     busy = asyncio.ensure_future(one_request(ctl, hold=5.0))
     await asyncio.sleep(0.02)
-    outcome = ctl.start_migrate("host-b", move)
-    release.set()
-    await outcome
+    await ctl.start_migrate("host-b", move)
     with pytest.raises(OwnerUnavailable) as err:
         await busy
     assert not isinstance(err.value, SandboxMoved)
