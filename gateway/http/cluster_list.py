@@ -7,8 +7,9 @@ query, in parallel, with the client's own ``Authorization`` (each host authentic
 limits the key as if the client had come to it) and the hop header, so they answer with
 their local page and never ask further. Each is bounded by ``[cluster] timeout``; a host
 that does not answer in time, cannot be reached or refuses (its key not replicated yet,
-its limits) is named in the answer's ``partial``. The pages are merged by
-``gateway.cluster.listing.merge``.
+its limits) is named in the answer's ``partial``, and so is a host with no record (dead or
+cut off) that the route cache's records name as the owner of some of the tenant's
+sandboxes. The pages are merged by ``gateway.cluster.listing.merge``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from gateway.cluster import listing, routing
 from gateway.cluster.errors import ProtocolError
 from gateway.cluster.node import ClusterNode
 from gateway.http import wire
-from gateway.http.middleware import Handler
+from gateway.http.middleware import TENANT_KEY, Handler
 from gateway.sandbox.listing import MAX_LIMIT, parse_query
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,12 @@ def is_list(request: web.Request) -> bool:
 async def fleet_list(request: web.Request, handler: Handler, node: ClusterNode,
                      session: aiohttp.ClientSession) -> web.StreamResponse:
     local = await handler(request)
-    peers = {name: address for name, address in node.routes.live_hosts().items()
-             if name != node.config.host}
-    if local.status != 200 or not isinstance(local, web.Response) or not peers:
+    if local.status != 200 or not isinstance(local, web.Response):
+        return local
+    live = node.routes.live_hosts()
+    peers = {name: address for name, address in live.items() if name != node.config.host}
+    dead = _dead_owners(request, node, live)
+    if not peers and not dead:
         return local
     limit = parse_query(request.query).limit  # the query is valid: this host took it
     pages = [listing.page_of(node.config.host, orjson.loads(local.body))]  # type: ignore[arg-type]
@@ -53,7 +57,7 @@ async def fleet_list(request: web.Request, handler: Handler, node: ClusterNode,
         _ask(session, request, node.config.host, name, address, node.config.timeout)
         for name, address in sorted(peers.items())))
     pages += [page for page in asked if page is not None]
-    missing = [name for name, page in zip(sorted(peers), asked) if page is None]
+    missing = [name for name, page in zip(sorted(peers), asked) if page is None] + dead
     merged = listing.merge(pages, min(limit, MAX_LIMIT), missing, _owner(node))
     out = web.Response(body=wire.dumps(wire.SandboxList(
         sandboxes=merged.sandboxes, next_cursor=merged.next_cursor,  # type: ignore[arg-type]
@@ -62,6 +66,18 @@ async def fleet_list(request: web.Request, handler: Handler, node: ClusterNode,
         if name not in _DROPPED:
             out.headers.add(name, value)
     return out
+
+
+def _dead_owners(request: web.Request, node: ClusterNode, live: dict[str, str]
+                 ) -> list[str]:
+    """Hosts without a record (dead, cut off) that the fleet's records still name as
+    the owner of some of the listed tenant's sandboxes: missing too, until the reaper
+    moves those sandboxes to a live host (docs/cluster.md)."""
+    key = request.get(TENANT_KEY)
+    tenant = request.query.get("tenant") or (key.id if key is not None else None)
+    if tenant is None:
+        return []
+    return sorted(node.routes.owners_of(tenant) - set(live) - {node.config.host})
 
 
 def _owner(node: ClusterNode) -> Any:

@@ -15,11 +15,11 @@ from gateway.errors import Forbidden, SandboxNotFound, Unauthorized
 from gateway.http import wire
 from gateway.http.sandbox_routes import sandbox_view
 from gateway.http import cluster_forward
-from gateway.http.middleware import api_error_middleware, error_middleware
+from gateway.http.middleware import TENANT_KEY, api_error_middleware, error_middleware
 from gateway.preview import hosts
 from gateway.preview.forward import Forwarder
 from gateway.sandbox import listing
-from gateway.store.registry import SandboxRecord
+from gateway.store.registry import ApiKey, SandboxRecord
 
 PREVIEW_DOMAIN, SESSION_DOMAIN = "preview.test", "session.test"
 KEY = "Bearer fleet-key"
@@ -44,6 +44,9 @@ class FakeRoutes:
 
     def live_hosts(self) -> dict[str, str]:
         return dict(self.peers)
+
+    def owners_of(self, tenant: str) -> set[str]:
+        return {r.host for r in self.table.values() if r.record.tenant == tenant}
 
     def host_live(self, name: str) -> bool:
         return name in self.hosts or any(r.host == name and r.address
@@ -131,6 +134,7 @@ def build(node: Any, sandboxes: set[str], timeout: float = 5.0,
         if tenant != key[0] and not key[1]:
             raise Forbidden("only an admin key can list another key's sandboxes")
         node.lists.append(request.headers.get("X-AgentBox-Forwarded", ""))
+        request[TENANT_KEY] = ApiKey(key[0], "", key[1], 0.0)  # as auth does
         page, cursor = listing.select([r for r in listed or [] if r.tenant == tenant],
                                       listing.parse_query(request.query))
         return web.Response(body=wire.dumps(wire.SandboxList(

@@ -206,6 +206,30 @@ async def test_a_host_that_refuses_the_key_is_partial(fleet3) -> None:
         [r for h in ("host-a", "host-b") for r in listed[h] if r.tenant == "k1"])
 
 
+async def test_a_dead_host_that_owns_some_of_the_tenants_sandboxes_is_partial(fleet3) -> None:
+    """No host record (dead, cut off) but records naming it as an owner: the tenant is
+    told its sandboxes there are missing; other tenants are not."""
+    from gateway.cluster.records import SandboxRecord as Owned
+    from gateway.cluster.routes import Route
+
+    nodes, servers, _ = fleet3
+    b = nodes["host-b"]
+    b.routes.table["gone1"] = Route("gone1", "host-z", 1, None,
+                                    Owned("gone1", "host-z", State.RUNNING, 1, tenant="k2"))
+    async with aiohttp.ClientSession() as http:
+        status, page = await get(http, servers["host-b"])
+        assert status == 200 and "partial" not in page  # k1 has nothing on host-z
+        status, page = await get(http, servers["host-b"], "?tenant=k2",
+                                 {"Authorization": ADMIN})
+        assert status == 200 and page["partial"] == ["host-z"]
+        assert len(page["sandboxes"]) == 6  # the live hosts' are all there
+        # Only host-b's cache knows; alone (no live peers) it still says so.
+        b.routes.peers.clear()
+        status, page = await get(http, servers["host-b"], "?tenant=k2",
+                                 {"Authorization": ADMIN})
+        assert page["partial"] == ["host-z"] and len(page["sandboxes"]) == 2
+
+
 # -- the merge alone (no I/O) ------------------------------------------------------------------
 
 def item(sid: str, created: float) -> dict[str, Any]:
