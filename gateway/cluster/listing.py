@@ -57,9 +57,12 @@ def page_of(host: str, body: Any) -> HostPage:
 
 
 def merge(pages: Iterable[HostPage], limit: int, missing: Iterable[str] = (),
-          owner_of: Callable[[str], str | None] | Mapping[str, str] = dict()) -> FleetPage:
-    """The fleet's page: the first ``limit`` of every host's page, in cursor order."""
-    owner = owner_of.get if isinstance(owner_of, Mapping) else owner_of
+          owner_of: Callable[[str], str | None] | Mapping[str, str] | None = None
+          ) -> FleetPage:
+    """The fleet's page: the first ``limit`` of every host's page, in cursor order.
+    ``owner_of``: the host a sandbox's record names (None: unknown)."""
+    owner = (owner_of.get if isinstance(owner_of, Mapping)
+             else owner_of or (lambda _: None))
     chosen: dict[str, tuple[tuple[float, str], str, dict[str, Any]]] = {}
     more = False
     for page in pages:

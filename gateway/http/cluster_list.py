@@ -27,7 +27,7 @@ from gateway.cluster.errors import ProtocolError
 from gateway.cluster.node import ClusterNode
 from gateway.http import wire
 from gateway.http.middleware import TENANT_KEY, Handler
-from gateway.sandbox.listing import MAX_LIMIT, parse_query
+from gateway.sandbox.listing import parse_query
 
 log = logging.getLogger(__name__)
 MAX_PAGE_BYTES = 64 << 20  # a full page (MAX_LIMIT sandboxes, 16 KiB of metadata each) fits
@@ -57,8 +57,8 @@ async def fleet_list(request: web.Request, handler: Handler, node: ClusterNode,
         _ask(session, request, node.config.host, name, address, node.config.timeout)
         for name, address in sorted(peers.items())))
     pages += [page for page in asked if page is not None]
-    missing = [name for name, page in zip(sorted(peers), asked) if page is None] + dead
-    merged = listing.merge(pages, min(limit, MAX_LIMIT), missing, _owner(node))
+    missing = [name for name, page in zip(sorted(peers), asked, strict=True) if page is None] + dead
+    merged = listing.merge(pages, limit, missing, _owner(node))
     out = web.Response(body=wire.dumps(wire.SandboxList(
         sandboxes=merged.sandboxes, next_cursor=merged.next_cursor,  # type: ignore[arg-type]
         partial=merged.partial or None)), content_type="application/json")
