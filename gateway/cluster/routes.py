@@ -132,6 +132,14 @@ class RouteCache:
         """Whether host ``name`` has a record (is live to the fleet)."""
         return name in self.table.hosts
 
+    def live_hosts(self) -> dict[str, str]:
+        """Every live host's name and advertised address (this host's too)."""
+        return {name: h.address for name, h in self.table.hosts.items()}
+
+    def owners_of(self, tenant: str) -> set[str]:
+        """The hosts the records of ``tenant``'s sandboxes name, live or not."""
+        return {r.host for r in self.table.sandboxes.values() if r.tenant == tenant}
+
     def addresses(self) -> set[str]:
         """The IP (or name) part of every live host's advertised address."""
         return {h.address.rsplit(":", 1)[0].strip("[]") for h in self.table.hosts.values()}

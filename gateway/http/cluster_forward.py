@@ -7,7 +7,8 @@ owner, which authenticates the key, applies its limits and serves it as if the c
 come straight to it. Which sandbox a request is for: ``/v1/sandboxes/{id}/...`` (terminal
 WebSockets included), a preview host ``{port}-{id}.{domain}``, or a session host whose
 session this host knows. The decision is ``gateway.cluster.routing.decide`` (no I/O);
-the forwarding is ``gateway.preview.forward.Forwarder``.
+the forwarding is ``gateway.preview.forward.Forwarder``. A client's ``GET /v1/sandboxes``
+lists the whole fleet (``gateway.http.cluster_list``).
 
 Until the node has joined (start-up) the middleware passes everything through. A fenced
 node also refuses creates (``POST /v1/sandboxes``): it could not publish their records.
@@ -22,6 +23,7 @@ from gateway.cluster.config import ClusterConfig
 from gateway.cluster.node import ClusterNode
 from gateway.errors import (ApiError, ForwardLoop, HostFenced, OwnerUnavailable, SandboxMoved,
                             Unavailable)
+from gateway.http import cluster_list
 from gateway.http.middleware import Handler
 from gateway.preview import hosts, sessions
 from gateway.preview.forward import Forwarder
@@ -61,6 +63,9 @@ async def cluster_middleware(request: web.Request, handler: Handler) -> web.Stre
     if sandbox_id is None:
         if request.method == "POST" and request.path == "/v1/sandboxes" and not on_host:
             return await _create(request, handler, node)
+        if not on_host and cluster_list.is_list(request):
+            return await cluster_list.fleet_list(request, handler, node,
+                                                 request.app[FORWARDER_KEY].session())
         return await handler(request)
     forwarded_by = request.headers.get(routing.HOP_HEADER)
     decision = routing.decide(sandbox_id, node.routes.route(sandbox_id), node.config.host,

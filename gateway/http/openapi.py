@@ -269,7 +269,8 @@ OPS: tuple[Op, ...] = (
        errors=(400, 403), query=(_TENANT, *_LIST_QUERY),
        description="Filters combine (all must match); ordered by created_at, then id. Any "
                    "number of metadata.KEY=VALUE filters (a non-string value matches its "
-                   "JSON text)."),
+                   "JSON text). With several hosts ([cluster]) any host lists the whole "
+                   "fleet's; `partial` names hosts whose sandboxes are missing."),
     Op("GET", "/v1/usage", "Usage metering of the key (admin: ?key=ID or ?key=* for all)",
        "usage", returns="Usage", errors=(400, 403), query=(
            ("from", "Unix time (default 0)", {"type": "number"}),

@@ -88,6 +88,9 @@ class SandboxList:
     sandboxes: list[Sandbox]
     next_cursor: str | None = prop(None, description="pass as ?cursor= for the next page; "
                                                      "null: last")
+    partial: list[str] | None = prop(omit=True, description=(
+        "[cluster] only, present when some hosts did not answer in time: their names; "
+        "their sandboxes are missing from this page (docs/cluster.md)"))
 
 
 @response

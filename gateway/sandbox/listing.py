@@ -38,7 +38,12 @@ class ListQuery:
 
 
 def encode_cursor(rec: SandboxRecord) -> str:
-    raw = json.dumps([rec.created_at, rec.id], separators=(",", ":")).encode()
+    return cursor_at(rec.created_at, rec.id)
+
+
+def cursor_at(created_at: float, sandbox_id: str) -> str:
+    """The cursor of a page ending at the sandbox (created_at, sandbox_id)."""
+    raw = json.dumps([created_at, sandbox_id], separators=(",", ":")).encode()
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 

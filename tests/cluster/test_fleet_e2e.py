@@ -79,7 +79,17 @@ async def _terminal(url: str, key: str) -> bytes:
 def test_exec_files_preview_and_terminal_through_non_owners(fleet: Fleet) -> None:
     owner, via, other = fleet.hosts
     sid = fleet.create_on(owner)
+    far = fleet.create_on(other)
     api = fleet.client(via)
+
+    # The list through the third host is the fleet's: both, oldest first, paged across.
+    page = api.get("/v1/sandboxes").json()
+    assert [s["id"] for s in page["sandboxes"]] == [sid, far] and "partial" not in page
+    first = api.get("/v1/sandboxes", params={"limit": 1}).json()
+    second = api.get("/v1/sandboxes", params={"limit": 1, "cursor": first["next_cursor"]})
+    assert [s["id"] for s in first["sandboxes"] + second.json()["sandboxes"]] == [sid, far]
+    assert second.json()["next_cursor"] is None
+    assert fleet.client(other).delete(f"/v1/sandboxes/{far}").status_code == 204
 
     assert execute(api, sid, "echo $((6 * 7))")["stdout"] == "42\n"
     payload = bytes(range(256)) * 4096  # 1 MiB, every byte value
@@ -132,6 +142,10 @@ def test_a_killed_owner_is_unavailable_then_serves_its_sandboxes_after_a_restart
                         3 * TTL + 15, "non-owner after the owner died")
     r = fleet.client(other).get(f"/v1/sandboxes/{suspended}")
     assert (r.status_code, error_code(r)) == (503, "owner_unavailable"), r.text
+    # Its sandboxes are missing from the fleet's list, which says so (the dead host is
+    # named whether its record is still there, refusing connections, or already gone).
+    page = api.get("/v1/sandboxes").json()
+    assert (page["sandboxes"], page.get("partial")) == ([], [owner.name]), page
     gone = fleet.wait_for(lambda: not fleet.host_record(owner), 3 * TTL + 15,
                           "the owner's record expires")
     r = api.get(f"/v1/sandboxes/{running}")

@@ -272,7 +272,8 @@ def test_the_middleware_is_installed_only_with_cluster_on() -> None:
     # Off, the daemon does not even import the routing modules.
     probe = ("import sys; from gateway.config import load; from gateway.http.app import "
              "build_app; build_app(load(None)); print(sorted(m for m in sys.modules if m in "
-             "('gateway.http.cluster_forward', 'gateway.preview.forward', "
+             "('gateway.http.cluster_forward', 'gateway.http.cluster_list', "
+             "'gateway.cluster.listing', 'gateway.preview.forward', "
              "'gateway.cluster.routing', 'gateway.cluster.publisher', "
              "'gateway.cluster.ownership', 'gateway.cluster.objstore', "
              "'gateway.cluster.shipping', 'gateway.cluster.shipper', "

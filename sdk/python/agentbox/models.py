@@ -462,15 +462,20 @@ class Session:
 
 @dataclass(frozen=True)
 class SandboxPage:
-    """One page of ``GET /v1/sandboxes``; ``next_cursor`` is None on the last page."""
+    """One page of ``GET /v1/sandboxes``; ``next_cursor`` is None on the last page.
+    ``partial`` (a fleet of hosts only): the hosts that did not answer in time, whose
+    sandboxes are missing from this page; empty when the listing is whole."""
 
     sandboxes: list[SandboxInfo]
     next_cursor: str | None = None
+    partial: list[str] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: Any) -> SandboxPage:
         items = _get(data, "sandboxes", "sandbox list")
-        return cls([SandboxInfo.from_dict(s) for s in items], data.get("next_cursor"))
+        partial = data.get("partial")
+        return cls([SandboxInfo.from_dict(s) for s in items], data.get("next_cursor"),
+                   [str(h) for h in partial] if isinstance(partial, list) else [])
 
 
 def _known(cls: Any, data: Any, kind: str) -> dict[str, Any]:

@@ -105,17 +105,21 @@ export function parseSandbox(data: unknown): SandboxInfo {
   };
 }
 
-/** One page of `GET /v1/sandboxes`; `nextCursor` is null on the last page. */
+/** One page of `GET /v1/sandboxes`; `nextCursor` is null on the last page. `partial` (a
+ * fleet of hosts only): the hosts that did not answer in time, whose sandboxes are missing
+ * from this page; empty when the listing is whole. */
 export interface SandboxPage {
   sandboxes: SandboxInfo[];
   nextCursor: string | null;
+  partial: string[];
 }
 
 export function parseSandboxPage(data: unknown): SandboxPage {
   const d = obj(data, "sandbox list");
   const items = need(d, "sandboxes", "sandbox list");
   return { sandboxes: (Array.isArray(items) ? items : []).map(parseSandbox),
-           nextCursor: strOrNull(d.next_cursor) };
+           nextCursor: strOrNull(d.next_cursor),
+           partial: Array.isArray(d.partial) ? d.partial.map(String) : [] };
 }
 
 /** Metered use of a sandbox (or, with `sandboxes`, of a key) in a window. */

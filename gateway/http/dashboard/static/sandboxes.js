@@ -51,6 +51,12 @@ export async function sandboxesView(main, { signal, feed }) {
     return `/v1/sandboxes?${q}`;
   }
 
+  // A fleet's list names the hosts that did not answer (docs/cluster.md): say so.
+  function missing(hosts) {
+    const names = [...new Set(hosts)].sort();
+    return names.length ? `Hosts not answering, their sandboxes missing: ${names.join(", ")}.` : "";
+  }
+
   // [{sb, key}] of every key (key null: the signed-in key's own, which can do everything).
   async function everyKey() {
     await loadKeys();
@@ -64,7 +70,8 @@ export async function sandboxesView(main, { signal, feed }) {
     const rows = pages.flatMap(({ key, p }) => p.sandboxes.map((sb) => ({ sb, key })));
     const more = pages.some(({ p }) => p.next_cursor);
     note.textContent = (more ? `Showing the first ${PAGE} of each key's; pick a key to page. ` : "")
-      + (keys.length > MAX_KEYS ? `Only the first ${MAX_KEYS} keys are listed.` : "");
+      + (keys.length > MAX_KEYS ? `Only the first ${MAX_KEYS} keys are listed. ` : "")
+      + missing(pages.flatMap(({ p }) => p.partial ?? []));
     return rows.sort((a, b) => a.sb.created_at - b.sb.created_at);
   }
 
@@ -77,7 +84,7 @@ export async function sandboxesView(main, { signal, feed }) {
       const key = keys?.find((k) => k.id === filters.tenant) ?? null;
       rows = page.sandboxes.map((sb) => ({ sb, key }));
       next = page.next_cursor;
-      note.textContent = "";
+      note.textContent = missing(page.partial ?? []);
     }
     clear(body).append(...rows.map(({ sb, key }) => row(sb, key, session.admin, load)));
     if (!rows.length) body.append(h("tr", {}, h("td", { colspan: heads.length }, "none")));
