@@ -218,7 +218,8 @@ def one_round(index: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]
                 print(f"    first refusal: {b['first_refusal']}")
             if b.get("poll_errors"):
                 print(f"    poll errors: {b['poll_errors'][:3]}")
-        print(f"  h0 record gone {out.get('gone', float('nan')):.2f} s; reaper led by "
+        print(f"  h0 killed ({out['vmms_killed']} VMMs) in {out['killed_s']:.2f} s; "
+              f"its record gone {out.get('gone', float('nan')):.2f} s; reaper led by "
               f"{out['leader_before'] or '?'} before the kill, {out['leader_after'] or '?'} "
               f"after; load at kill {out['load_kill']}, at end {out['load_end']}", flush=True)
     except BaseException:
@@ -228,8 +229,8 @@ def one_round(index: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]
     finally:
         if fleet is not None:
             left = fleet.close()
-            if left:
-                print(f"  left behind: {left}")
+            if left:  # h0 was killed and not restarted: its sandboxes' namespaces stay
+                print(f"  swept at the end (fleet.close): {left}")
         etcd.close()
     return out
 
