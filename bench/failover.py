@@ -89,6 +89,28 @@ def reaper_leader(fleet: Fleet) -> str:
     return name
 
 
+def host_loads(fleet: Fleet) -> str:
+    """Each live host's published load (what the reaper's placement reads)."""
+    from gateway.cluster.etcd import EtcdClient
+    from gateway.cluster.keys import Keys
+    from gateway.cluster.records import HostRecord
+
+    async def read() -> str:
+        client = EtcdClient(fleet.etcd.endpoints, attempt_timeout=0.5)
+        try:
+            out = []
+            for h in fleet.hosts:
+                kv = await client.get(Keys(f"/{fleet.prefix}").host(h.name))
+                if kv is not None:
+                    r = HostRecord.decode(kv.value)
+                    out.append(f"{h.name} free {r.free_mib} MiB / {r.free_vcpus} of "
+                               f"{r.total_vcpus} vCPUs")
+            return "; ".join(out)
+        finally:
+            await client.aclose()
+    return fleet.loop.run(read(), timeout=30)
+
+
 def prepare(fleet: Fleet, n: int, file_kib: int) -> list[dict[str, Any]]:
     api = fleet.client("h0")
     boxes = []
@@ -113,11 +135,12 @@ def prepare(fleet: Fleet, n: int, file_kib: int) -> list[dict[str, Any]]:
                        180, f"{box['id']}'s snapshot named in its record", every=0.2)
         box["location"] = found[-1].snapshot
         box["gen"] = found[-1].gen
+        box["shape"] = f"{found[-1].memory_mib} MiB / {found[-1].vcpus} vCPUs"
         box["named_after_suspend_s"] = time.monotonic() - box["suspended_at"]
         box["sizes"] = shipped_sizes(fleet, box["location"])
         print(f"  {box['id']}: snapshot named {box['named_after_suspend_s']:.1f} s after its "
               f"suspend, {sum(box['sizes'].values()) / 2**20:.1f} MiB in "
-              f"{len(box['sizes'])} files", flush=True)
+              f"{len(box['sizes'])} files; shape {box['shape']}", flush=True)
     return boxes
 
 
@@ -185,6 +208,7 @@ def one_round(index: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]
         boxes = prepare(fleet, args.n, args.file_kib)
         h0 = fleet.host("h0")
         out["leader_before"] = reaper_leader(fleet)
+        print(f"  hosts as published: {host_loads(fleet)}", flush=True)
         out["load_kill"] = load()
         stop = threading.Event()
         t0 = time.monotonic()
