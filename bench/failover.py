@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import statistics
 import tempfile
 import threading
@@ -253,6 +254,11 @@ def one_round(index: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]
     finally:
         if fleet is not None:
             left = fleet.close()
+            if args.keep_logs:
+                args.keep_logs.mkdir(parents=True, exist_ok=True)
+                for h in fleet.hosts:
+                    if h.log_path.exists():
+                        shutil.copy(h.log_path, args.keep_logs / f"round{index}-{h.name}.log")
             if left:  # h0 was killed and not restarted: its sandboxes' namespaces stay
                 print(f"  swept at the end (fleet.close): {left}")
         etcd.close()
@@ -334,6 +340,7 @@ def main() -> None:
     ap.add_argument("--ttl", type=int, default=2, help="lease_ttl (s)")
     ap.add_argument("--reap-after", type=float, default=3.0, help="reap_after (s)")
     ap.add_argument("--file-kib", type=int, default=1024)
+    ap.add_argument("--keep-logs", type=Path, help="copy each round's daemon logs here")
     ap.add_argument("--timeout", type=float, default=120, help="per round, from the kill")
     args = ap.parse_args()
     reason = skip_reason()
