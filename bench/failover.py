@@ -237,8 +237,8 @@ def one_round(index: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]
         for b in boxes:
             print(f"  {b['id']}: " + ", ".join(
                 f"{k} {b[k]:.2f}" if isinstance(b.get(k), float) else f"{k} {b.get(k)}"
-                for k in ("moved", "to", "fetch_start", "fetch_end", "adopted", "answered",
-                          "via", "wake_ms", "intact", "refusals")), flush=True)
+                for k in ("moved", "to", "moved_state", "fetch_start", "fetch_end", "adopted",
+                          "answered", "via", "wake_ms", "intact", "refusals")), flush=True)
             if b.get("first_refusal"):
                 print(f"    first refusal: {b['first_refusal']}")
             if b.get("poll_errors"):
@@ -279,6 +279,9 @@ def summary(rounds: list[dict[str, Any]], args: argparse.Namespace) -> None:
           f"({sum(bool(b.get('intact')) for b in done)} with the file intact); "
           f"lease_ttl {args.ttl} s, reap_after {args.reap_after} s, {len(rounds)} rounds")
     gone = [r["gone"] for r in rounds if "gone" in r]
+    moved_ok = sum(b.get("moved_state") == "suspended" and b.get("moved_gen") == b["gen"] + 1
+                   for b in boxes)
+    print(f"{moved_ok}/{len(boxes)} records moved SUSPENDED with gen + 1")
 
     def col(key: str) -> list[float]:
         return [b[key] for b in boxes if isinstance(b.get(key), float)]
