@@ -32,8 +32,9 @@ class Request:
     vcpus: int
 
     def __post_init__(self) -> None:
-        if self.memory_mib < 1 or self.vcpus < 1:
-            raise ValueError("a placement request needs memory_mib >= 1 and vcpus >= 1")
+        # vcpus 0: a sandbox placed asleep (a move of a suspended or failed one) holds none
+        if self.memory_mib < 1 or self.vcpus < 0:
+            raise ValueError("a placement request needs memory_mib >= 1 and vcpus >= 0")
 
 
 def why_not(host: HostRecord, request: Request) -> str | None:

@@ -39,6 +39,8 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+import cachetools
+
 from gateway.cluster.errors import ClusterError, NoCapacity, OwnershipConflict
 from gateway.cluster.ownership import Ownership
 from gateway.cluster.placement import Request, choose, cost
@@ -83,9 +85,12 @@ DEFAULT_REQUEST = Request(memory_mib=256, vcpus=1)  # a record without its shape
 
 
 def request_of(record: SandboxRecord) -> Request:
-    """What placing ``record`` takes: its shape as the shipper named it."""
-    return Request(record.memory_mib or DEFAULT_REQUEST.memory_mib,
-                   record.vcpus or DEFAULT_REQUEST.vcpus)
+    """What placing ``record`` (asleep: SUSPENDED or FAILED) takes: its memory as the
+    shipper named it, for it wakes with that much. Not its vCPUs: a host's free vCPUs are
+    its cores less its awake sandboxes', and a sandbox placed asleep holds none until it
+    wakes (that host's own admission judges the wake). Counting them held a 2-core host to
+    one moved sandbox per pass (bench/failover.py)."""
+    return Request(record.memory_mib or DEFAULT_REQUEST.memory_mib, 0)
 
 
 def holders(hosts: Iterable[HostRecord], base: str) -> list[HostRecord]:
@@ -205,8 +210,16 @@ async def reap(ownership: Ownership, dead: str, live: list[HostRecord], *,
             continue
         if not isinstance(action, Wait):
             log.warning("reaper: %s: %s", action.sandbox_id, action)
+        elif _waits_said.get(action.sandbox_id) != action.reason:  # once per reason
+            _waits_said[action.sandbox_id] = action.reason
+            log.warning("reaper: %s of dead host %s waits: %s", action.sandbox_id, dead,
+                        action.reason)
         done.append(action)
     return done
+
+
+# What each waiting sandbox was last said to wait for (a pass runs every 3 s: say it once).
+_waits_said: cachetools.LRUCache[str, str] = cachetools.LRUCache(4096)
 
 
 def due(named: Iterable[str], live: Collection[str], absent_since: dict[str, float],

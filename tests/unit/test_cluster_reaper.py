@@ -180,6 +180,18 @@ def test_only_a_host_holding_its_base_is_chosen_and_its_shape_is_placed():
     assert isinstance(wait, Wait) and "2048 MiB" in wait.reason
 
 
+def test_sandboxes_moved_asleep_are_placed_by_memory_not_vcpus():
+    # Two 2-core hosts whose cores are taken by awake sandboxes (free_vcpus 0) still take a
+    # dead host's suspended 2-vCPU sandboxes, all in one pass: asleep they hold no vCPU
+    # (bench/failover.py saw one move per host per pass when vCPUs were counted).
+    live = [HostRecord(n, f"{n}:1", total_mib=8192, free_mib=8192, total_vcpus=2,
+                       free_vcpus=0, bases=(BASE_X,)) for n in ("b", "c")]
+    records = [SandboxRecord(f"s{i}", "a", State.SUSPENDED, snapshot=SNAP, base=BASE_X,
+                             vcpus=2, memory_mib=512) for i in range(5)]
+    got = decide("a", records, live, k=2, rng=random.Random(0))
+    assert all(isinstance(m, Move) for m in got) and len(got) == 5
+
+
 def test_no_live_host_holding_its_base_waits():
     live = [HostRecord("b", "b:1", total_mib=8192, free_mib=8192, total_vcpus=4,
                        free_vcpus=4, bases=(BASE_Y,))]
