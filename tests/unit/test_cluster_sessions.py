@@ -267,3 +267,16 @@ async def test_the_session_service_reserves_before_it_inserts(tmp_path: Any) -> 
     etcd.down = False
     await a.delete("key1", "app")
     assert await etcd.get(KEYS.session("app")) is None and a.registry.get_session("app") is None
+
+
+def test_with_cluster_off_the_session_names_module_is_never_imported() -> None:
+    import subprocess
+    import sys
+
+    probe = ("import sys; from gateway.config import load; from gateway.http.app import "
+             "build_app; build_app(load(None)); import gateway.preview.sessions; "
+             "print([m for m in sys.modules if m in ('gateway.cluster.session_names', "
+             "'gateway.cluster.routing', 'gateway.http.cluster_forward')])")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"
