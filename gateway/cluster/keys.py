@@ -6,6 +6,8 @@
     {prefix}/apikeys/{key_id}        KeyRecord JSON (gateway.cluster.keyring): the hash, never
                                      the secret
     {prefix}/usage/{key_id}/{host}   a tenant's sandboxes on one host (gateway.cluster.quota)
+    {prefix}/sessions/{name}         SessionRecord JSON (gateway.cluster.session_names): who
+                                     holds a session name fleet-wide
 
 ``prefix`` defaults to ``/agentbox``; tests and fleets sharing one etcd give each their own.
 Names are checked here so a key can never be made to escape its directory.
@@ -82,6 +84,13 @@ class Keys:
         """Present while ``host`` is being drained (``agentbox-server drain``): placement
         skips it and the host moves its sandboxes away (gateway/cluster/drain.py)."""
         return self.draining + check_host_name(host)
+
+    @property
+    def sessions(self) -> str:
+        return f"{self.prefix}/sessions/"
+
+    def session(self, name: str) -> str:
+        return self.sessions + check_host_name(name)  # session names are DNS labels too
 
     def election(self, name: str) -> str:
         return f"{self.prefix}/elections/{check_host_name(name)}"

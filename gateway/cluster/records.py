@@ -118,6 +118,35 @@ class SandboxRecord:
         return _decode(cls, raw)
 
 
+@dataclass(frozen=True)
+class SessionRecord:
+    """Who holds a session name in the fleet (``{prefix}/sessions/{name}``): the tenant, the
+    host that reserved it (its registry holds the session's row) and the session's sandbox
+    ("" while it is being made, or before the host bound it)."""
+
+    name: str
+    tenant: str
+    host: str
+    sandbox_id: str = ""
+
+    def __post_init__(self) -> None:
+        check_host_name(self.name)
+        check_host_name(self.host)
+        if not isinstance(self.tenant, str) or not 0 < len(self.tenant) <= 128:
+            raise ValueError("tenant must be a string of 1-128 characters")
+        if not isinstance(self.sandbox_id, str):
+            raise ValueError("sandbox_id must be a string")
+        if self.sandbox_id:
+            check_sandbox_id(self.sandbox_id)
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> SessionRecord:
+        return _decode(cls, raw)
+
+
 def _decode(cls: Any, raw: bytes) -> Any:
     if len(raw) > MAX_RECORD_BYTES:
         raise ProtocolError(f"{cls.__name__} over {MAX_RECORD_BYTES} bytes")

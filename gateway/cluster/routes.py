@@ -23,7 +23,7 @@ from gateway.cluster import wire
 from gateway.cluster.errors import ClusterError, Compacted, ProtocolError
 from gateway.cluster.etcd import EtcdClient
 from gateway.cluster.keys import Keys
-from gateway.cluster.records import HostRecord, SandboxRecord
+from gateway.cluster.records import HostRecord, SandboxRecord, SessionRecord
 from gateway.cluster.watch import Watcher
 from gateway.cluster import tasks
 
@@ -51,6 +51,7 @@ class RouteTable:
     hosts: dict[str, HostRecord] = field(default_factory=dict)
     sandboxes: dict[str, SandboxRecord] = field(default_factory=dict)
     draining: set[str] = field(default_factory=set)  # hosts marked by `agentbox-server drain`
+    sessions: dict[str, SessionRecord] = field(default_factory=dict)  # fleet session names
     skipped: int = 0  # records that did not parse
 
     def load(self, revision: int, kvs: list[wire.KeyValue]) -> None:
@@ -58,6 +59,7 @@ class RouteTable:
         self.hosts.clear()
         self.sandboxes.clear()
         self.draining.clear()
+        self.sessions.clear()
         for kv in kvs:
             self._put(kv)
         self.revision = revision
@@ -92,6 +94,9 @@ class RouteTable:
                 self.sandboxes[sandbox.id] = sandbox
             elif key.startswith(self.keys.draining):
                 self.draining.add(key[len(self.keys.draining):])
+            elif key.startswith(self.keys.sessions):
+                session = SessionRecord.decode(kv.value)
+                self.sessions[session.name] = session
         except ProtocolError as exc:
             self.skipped += 1
             log.warning("route cache: skipping %s: %s", key, exc)
@@ -104,6 +109,8 @@ class RouteTable:
             self.sandboxes.pop(key[len(self.keys.sandboxes):], None)
         elif key.startswith(self.keys.draining):
             self.draining.discard(key[len(self.keys.draining):])
+        elif key.startswith(self.keys.sessions):
+            self.sessions.pop(key[len(self.keys.sessions):], None)
 
 
 class RouteCache:
@@ -127,6 +134,15 @@ class RouteCache:
 
     def route(self, sandbox_id: str) -> Route | None:
         return self.table.route(sandbox_id)
+
+    def session(self, name: str) -> SessionRecord | None:
+        """The fleet's record of session ``name`` (None: no host holds it)."""
+        return self.table.sessions.get(name)
+
+    def address(self, host: str) -> str | None:
+        """Host ``host``'s advertised address (None: it has no record)."""
+        record = self.table.hosts.get(host)
+        return record.address if record else None
 
     def host_live(self, name: str) -> bool:
         """Whether host ``name`` has a record (is live to the fleet)."""

@@ -19,22 +19,28 @@ The rules, in order:
    503 ``owner_unavailable`` asking to retry, rather than a 404 from a registry that does
    not have it yet;
 6. otherwise (ours, or unknown to the fleet): served here.
+
+A session (its host ``{name}.{session_domain}`` or ``/v1/sessions/{name}/...``) is first
+resolved by its fleet record (``decide_session``): to its sandbox when the cache knows the
+sandbox (then the rules above), else to the host that holds the name (where the session's
+row is: its sandbox is being made there, or is gone); unknown to the fleet: as rule 6.
 """
 
 from __future__ import annotations
 
 import random
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from gateway.cluster import placement
 from gateway.cluster.errors import NoCapacity
-from gateway.cluster.records import HostRecord
+from gateway.cluster.records import HostRecord, SessionRecord
 from gateway.cluster.routes import Route
 
 HOP_HEADER = "X-AgentBox-Forwarded"  # value: the forwarding host's name
 _SANDBOX_PATH = re.compile(r"/v1/sandboxes/([A-Za-z0-9_-]{1,128})(?:/.*)?")
+_SESSION_PATH = re.compile(r"/v1/sessions/([a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?)(?:/.*)?")
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,41 @@ def decide(sandbox_id: str, route: Route | None, self_host: str, *,
         return Refuse("owner_unavailable", f"sandbox {sandbox_id} is owned by {route.host}, "
                       "which is not live (no host record): retry later")
     return Forward(route.host, route.address, route.gen)
+
+
+def decide_session(name: str, record: SessionRecord | None, sandbox_route: Route | None,
+                   address_of: Callable[[str], str | None], self_host: str, *,
+                   forwarded_by: str | None, fenced: str | None, arriving: bool = False,
+                   put: bool = False) -> Decision:
+    """Where a request for session ``name`` is served: ``record`` is the fleet's record of
+    the name, ``sandbox_route`` the cache's route of its sandbox (if it names one). ``put``:
+    a ``PUT /v1/sessions/{name}``; forwarded here (placed here as a create) while the cache
+    already names another holder, it is served here: its reservation in etcd says who holds
+    the name and sends it there (gateway.preview.sessions.SessionElsewhere)."""
+    if put and forwarded_by is not None:
+        return decide(f"session:{name}", None, self_host, forwarded_by=forwarded_by,
+                      fenced=fenced)
+    if record is not None and record.sandbox_id and sandbox_route is not None:
+        return decide(record.sandbox_id, sandbox_route, self_host, forwarded_by=forwarded_by,
+                      fenced=fenced, arriving=arriving)
+    if record is None or record.host == self_host:
+        return decide(f"session:{name}", None, self_host, forwarded_by=forwarded_by,
+                      fenced=fenced)
+    if forwarded_by is not None:
+        return Refuse("forward_loop", f"session {name}: {forwarded_by} forwarded this request "
+                      f"to {self_host}, which routes it to {record.host}; the hosts' route "
+                      "caches disagree: retry")
+    address = address_of(record.host)
+    if address is None:
+        return Refuse("owner_unavailable", f"session {name} is held by {record.host}, which "
+                      "is not live (no host record): retry later")
+    return Forward(record.host, address, 0)
+
+
+def session_in_path(path: str) -> str | None:
+    """The session name of an API path under ``/v1/sessions/{name}`` (None for others)."""
+    m = _SESSION_PATH.fullmatch(path)
+    return m.group(1) if m else None
 
 
 def place(hosts: Iterable[HostRecord], self_host: str, request: placement.Request, *,

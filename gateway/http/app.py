@@ -200,6 +200,7 @@ async def _serve(app: web.Application, config: Config,
             _adopt_through(service, node)
             _route_through(app, config, registry, node)
             await _share_keys_and_quotas(service, node)
+            await _share_session_names(app, registry, node)
             _drain_through(app, config, service, node)
         log.info("agentbox ready on http://%s, dashboard at /dashboard (vmm %s/%s; "
                  "templates: %s)", config.server.listen, backend.driver_name, backend.accel.value,
@@ -344,6 +345,20 @@ async def _share_keys_and_quotas(service: SandboxService, node: cluster_node.Clu
     node.parts.append(close_quota)
     quota.start()
     service.fleet_quota = quota.check
+
+
+async def _share_session_names(app: web.Application, registry: Registry,
+                               node: cluster_node.ClusterNode) -> None:
+    """[cluster] on: session names held fleet-wide (reserved in etcd with each INSERT;
+    the session service, made after this, takes them from the app), this host's existing
+    sessions published (docs/cluster.md, "Sessions across the fleet")."""
+    from gateway.cluster.session_names import SessionNames
+    from gateway.preview.sessions import FLEET_NAMES_KEY
+
+    names = SessionNames(node.client, node.keys, node.config.host)
+    await names.publish((row["name"], row["tenant"], row["sandbox_id"] or "")
+                        for row in registry.list_sessions(None))
+    app[FLEET_NAMES_KEY] = names
 
 
 def serve(config: Config) -> None:

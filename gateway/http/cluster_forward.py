@@ -5,8 +5,9 @@ this module is then never imported). It sits right inside the error middlewares,
 preview-host routing, rate limits and API-key auth: a forwarded request is judged by the
 owner, which authenticates the key, applies its limits and serves it as if the client had
 come straight to it. Which sandbox a request is for: ``/v1/sandboxes/{id}/...`` (terminal
-WebSockets included), a preview host ``{port}-{id}.{domain}``, or a session host whose
-session this host knows. The decision is ``gateway.cluster.routing.decide`` (no I/O);
+WebSockets included), a preview host ``{port}-{id}.{domain}``, or a session (its host or
+``/v1/sessions/{name}/...``, by the fleet's record of the name: a PUT for a new name is
+placed as a create is). The decision is ``gateway.cluster.routing.decide`` (no I/O);
 the forwarding is ``gateway.preview.forward.Forwarder``. A client's ``GET /v1/sandboxes``
 lists the whole fleet (``gateway.http.cluster_list``).
 
@@ -48,10 +49,41 @@ def sandbox_of(request: web.Request) -> tuple[str | None, bool]:
     if isinstance(found, hosts.SessionHost):
         try:
             session = request.config_dict[sessions.SESSIONS_KEY].by_name(found.name)
-        except ApiError:
-            return None, True  # not a session this host knows (docs/cluster.md: a gap)
+        except (ApiError, KeyError):
+            return None, True  # not a session this host knows
         return session.sandbox_id or None, True
     return routing.sandbox_in_path(request.path), False
+
+
+def session_of(request: web.Request) -> tuple[str | None, bool]:
+    """(the session a request is for, whether it came on its session host)."""
+    found = request.config_dict[hosts.HOSTS_KEY].classify(request.host)
+    if isinstance(found, hosts.SessionHost):
+        return found.name, True
+    if found is not None:
+        return None, True
+    return routing.session_in_path(request.path), False
+
+
+def _decide(request: web.Request, node: ClusterNode, forwarded_by: str | None
+            ) -> tuple[routing.Decision | None, bool]:
+    """(where the request is served: None = not for one sandbox or session, whether it came
+    on a preview/session host). A session is resolved by its fleet record."""
+    name, on_host = session_of(request)
+    if name is not None:
+        record = node.routes.session(name)
+        sandbox_id = record.sandbox_id if record is not None else ""
+        return routing.decide_session(
+            name, record, node.routes.route(sandbox_id) if sandbox_id else None,
+            node.routes.address, node.config.host, forwarded_by=forwarded_by,
+            fenced=node.fenced, arriving=bool(sandbox_id) and node.arriving(sandbox_id),
+            put=request.method == "PUT" and not on_host), on_host
+    sandbox_id, on_host = sandbox_of(request)
+    if sandbox_id is None:
+        return None, on_host
+    return routing.decide(sandbox_id, node.routes.route(sandbox_id), node.config.host,
+                          forwarded_by=forwarded_by, fenced=node.fenced,
+                          arriving=node.arriving(sandbox_id)), on_host
 
 
 @web.middleware
@@ -59,18 +91,17 @@ async def cluster_middleware(request: web.Request, handler: Handler) -> web.Stre
     node = request.app.get(NODE_KEY)
     if node is None:
         return await handler(request)
-    sandbox_id, on_host = sandbox_of(request)
-    if sandbox_id is None:
+    forwarded_by = request.headers.get(routing.HOP_HEADER)
+    decision, on_host = _decide(request, node, forwarded_by)
+    if decision is None:
         if request.method == "POST" and request.path == "/v1/sandboxes" and not on_host:
             return await _create(request, handler, node)
         if not on_host and cluster_list.is_list(request):
             return await cluster_list.fleet_list(request, handler, node,
                                                  request.app[FORWARDER_KEY].session())
         return await handler(request)
-    forwarded_by = request.headers.get(routing.HOP_HEADER)
-    decision = routing.decide(sandbox_id, node.routes.route(sandbox_id), node.config.host,
-                              forwarded_by=forwarded_by, fenced=node.fenced,
-                              arriving=node.arriving(sandbox_id))
+    if _new_session(request, node, on_host):  # its sandbox is placed as a create is
+        return await _create(request, handler, node)
     try:
         if isinstance(decision, routing.Forward):
             return await request.app[FORWARDER_KEY].forward(
@@ -92,6 +123,15 @@ async def cluster_middleware(request: web.Request, handler: Handler) -> web.Stre
         # Held through a drain's move (or its route not yet seen here): the new owner
         # serves it. Only requests that never reached the guest end here.
         return await _to_new_owner(served, node, moved, on_host)
+
+
+def _new_session(request: web.Request, node: ClusterNode, on_host: bool) -> bool:
+    """A ``PUT /v1/sessions/{name}`` for a name the fleet does not know."""
+    if request.method != "PUT" or on_host:
+        return False
+    name = routing.session_in_path(request.path)
+    return (name is not None and request.path == f"/v1/sessions/{name}"
+            and node.routes.session(name) is None)
 
 
 async def _to_new_owner(request: web.Request, node: ClusterNode, moved: SandboxMoved,

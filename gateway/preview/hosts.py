@@ -328,6 +328,7 @@ async def _proxy_lifecycle(app: web.Application) -> AsyncIterator[None]:
                            max_ws_message_bytes=server.max_ws_message_bytes)
     app[ACCESS_KEY] = AccessStore(registry)
     app[sessions.SESSIONS_KEY] = session_service = sessions.SessionService(service, registry)
+    session_service.fleet = app.get(sessions.FLEET_NAMES_KEY)  # type: ignore[assignment]
     try:
         yield
     finally:

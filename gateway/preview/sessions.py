@@ -20,6 +20,11 @@ new one and runs ``start`` in it.
 
 Names are DNS labels and global, since hosts are global: another tenant's name
 is a 409 ``session_name_taken``; to everyone else it does not exist.
+
+With ``[cluster]`` on, ``fleet`` (gateway.cluster.session_names) holds names fleet-wide:
+the name is reserved in etcd just before the INSERT (exactly one host wins a race), a
+name another host holds for the same tenant raises ``SessionElsewhere`` (the routing
+middleware forwards the request there), and a DELETE releases it. Off: ``fleet`` is None.
 """
 
 from __future__ import annotations
@@ -30,13 +35,14 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from gateway.http import wire
 from gateway.http.sandbox_routes import json_response, read_json
-from gateway.errors import BadRequest, Conflict, NotFound, SandboxNotFound
+from gateway.errors import (BadRequest, Conflict, NotFound, OwnerUnavailable, SandboxMoved,
+                            SandboxNotFound)
 from gateway.sandbox.states import State
 from gateway.http.middleware import current_key
 from gateway.preview.access import ACCESS_KEY, COOKIE, TOKEN_HEADER, require_previewable
@@ -60,6 +66,26 @@ class SessionNotFound(NotFound):
 
 class SessionNameTaken(Conflict):
     code = "session_name_taken"
+
+
+class SessionElsewhere(SandboxMoved):
+    """The name is held for this tenant by another fleet host: the routing middleware
+    forwards the request there (as for a sandbox that moved)."""
+
+    def __init__(self, name: str, host: str) -> None:
+        OwnerUnavailable.__init__(self, f"session {name!r} is held by host {host!r}; retry",
+                                  headers={"Retry-After": "1"})
+        self.host = host
+
+
+class FleetNames(Protocol):
+    """gateway.cluster.session_names.SessionNames, as the session service sees it."""
+
+    async def reserve(self, name: str, tenant: str) -> tuple[str, str] | None: ...
+
+    async def bind(self, name: str, sandbox_id: str) -> None: ...
+
+    async def release(self, name: str, tenant: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -109,6 +135,7 @@ class SessionService:
         server = service.config.server
         self.reserve_preview_labels = server.preview_domain == server.session_domain
         self._pending: dict[str, asyncio.Task] = {}
+        self.fleet: FleetNames | None = None  # [cluster] on: names held fleet-wide
 
     # -- queries ---------------------------------------------------------------------
 
@@ -137,6 +164,7 @@ class SessionService:
     async def ensure(self, tenant: str, name: str, spec: SessionSpec) -> tuple[Session, bool]:
         """The session ``name``, created with ``spec`` unless it exists. True if created."""
         validate_name(name, self.reserve_preview_labels)
+        reserved = self.fleet is None
         while True:
             row = self.registry.get_session(name)
             if row is not None and row["tenant"] != tenant:
@@ -145,6 +173,15 @@ class SessionService:
             if pending is not None:
                 await asyncio.shield(pending)
                 return self.get(tenant, name), False
+            if row is None and not reserved:
+                assert self.fleet is not None
+                holder = await self.fleet.reserve(name, tenant)  # before the INSERT
+                if holder is not None:
+                    if holder[0] != tenant:
+                        raise SessionNameTaken(f"session name {name!r} is taken")
+                    raise SessionElsewhere(name, holder[1])
+                reserved = True
+                continue  # the registry may have changed while etcd answered
             if row is None:
                 now = time.time()
                 if not self.registry.insert_session({
@@ -170,8 +207,13 @@ class SessionService:
                                             spec.idle_timeout)
         except BaseException:
             self.registry.delete_session(name)  # release the name; the error goes to the caller
+            if self.fleet is not None:
+                with contextlib.suppress(Exception):
+                    await self.fleet.release(name, tenant)
             raise
         self.registry.update_session(name, sandbox_id=rec.id)
+        if self.fleet is not None:
+            await self.fleet.bind(name, rec.id)
         if spec.start:
             await self._start(tenant, name, rec.id, spec.start)
 
@@ -197,6 +239,8 @@ class SessionService:
         if session.sandbox_id:
             with contextlib.suppress(SandboxNotFound):
                 await self.service.destroy(tenant, session.sandbox_id)
+        if self.fleet is not None:  # 503 when etcd does not answer: the row stays to retry
+            await self.fleet.release(name, tenant)
         self.registry.delete_session(name)
 
     async def aclose(self) -> None:
@@ -205,6 +249,7 @@ class SessionService:
 
 
 SESSIONS_KEY = web.AppKey("sessions", SessionService)
+FLEET_NAMES_KEY = web.AppKey("session_fleet_names", object)  # [cluster] on: a FleetNames
 
 # -- API -----------------------------------------------------------------------------------
 

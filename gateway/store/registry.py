@@ -342,9 +342,11 @@ class Registry:
         row = self._db.execute("SELECT * FROM sessions WHERE name = ?", (name,)).fetchone()
         return _session_row(row) if row else None
 
-    def list_sessions(self, tenant: str) -> list[dict[str, Any]]:
-        rows = self._db.execute("SELECT * FROM sessions WHERE tenant = ? ORDER BY name",
-                                (tenant,))
+    def list_sessions(self, tenant: str | None) -> list[dict[str, Any]]:
+        """``tenant``'s sessions (None: every tenant's)."""
+        rows = (self._db.execute("SELECT * FROM sessions ORDER BY name") if tenant is None else
+                self._db.execute("SELECT * FROM sessions WHERE tenant = ? ORDER BY name",
+                                 (tenant,)))
         return [_session_row(r) for r in rows]
 
     def update_session(self, name: str, **updates: Any) -> None:

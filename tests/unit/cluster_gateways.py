@@ -48,6 +48,16 @@ class FakeRoutes:
     def owners_of(self, tenant: str) -> set[str]:
         return {r.host for r in self.table.values() if r.record.tenant == tenant}
 
+    sessions: dict[str, Any] = field(default_factory=dict)  # name -> SessionRecord
+    addresses_of: dict[str, str] = field(default_factory=dict)  # host -> address
+
+    def session(self, name: str) -> Any:
+        return self.sessions.get(name)
+
+    def address(self, host: str) -> str | None:
+        return self.addresses_of.get(host) or next(
+            (r.address for r in self.table.values() if r.host == host and r.address), None)
+
     def host_live(self, name: str) -> bool:
         return name in self.hosts or any(r.host == name and r.address
                                          for r in self.table.values())
