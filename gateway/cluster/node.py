@@ -115,6 +115,8 @@ class ClusterNode:
         # owners see why and can delete them.
         self.adopter = Adopter(config.host, self._objstore,
                                Ownership(self.client, self.keys), self._lease)
+        # A local copy whose published record its new owner deleted goes the eviction's way.
+        self.publisher.discard = self.adopter.discard
         from gateway.cluster.election import Election
         from gateway.cluster.reaper import ReaperLoop
 
