@@ -83,10 +83,10 @@ class Publisher:
         # even if nothing of it was shipped (gateway.cluster.reaper).
         self.describe: Callable[[str], dict[str, Any]] = lambda sandbox_id: {}
         # The durable memory of which sandboxes' records etcd has held naming this host
-        # (the app wires the registry's ``published`` table; in memory by default), and
-        # what destroys a local copy whose record its new owner deleted (the node wires
-        # the adopter's ``discard``). ``discard`` must not block.
-        self.landed: Callable[[str], None] = lambda sandbox_id: None
+        # (the app wires the registry's ``published`` table; until then nothing is
+        # remembered), and what destroys a local copy whose record its new owner deleted
+        # (the node wires the adopter's ``discard``). ``discard`` must not block.
+        self.landed: Callable[[str], None] | None = None
         self.was_published: Callable[[str], bool] = lambda sandbox_id: False
         self.discard: Callable[[str], None] = lambda sandbox_id: None
         self._marked: set[str] = set()
@@ -165,7 +165,7 @@ class Publisher:
             elif step is Step.CREATE:
                 record = SandboxRecord(sandbox_id, self.host, state, **self._described(sandbox_id))
                 self._known[sandbox_id] = await self.ownership.create(record, self.lease())
-                self._land(sandbox_id)
+                self.held(sandbox_id)
             elif step is Step.UPDATE:
                 assert current is not None
                 changes: dict[str, object] = {"state": state}
@@ -177,11 +177,11 @@ class Publisher:
                     changes |= self._described(sandbox_id)
                 self._known[sandbox_id] = await self.ownership.update(
                     current, self.lease(), **changes)
-                self._land(sandbox_id)
+                self.held(sandbox_id)
             else:
                 assert current is not None
                 self._known[sandbox_id] = current
-                self._land(sandbox_id)
+                self.held(sandbox_id)
         except OwnershipConflict:
             self._known.pop(sandbox_id, None)  # read again on the retry
             raise
@@ -195,9 +195,11 @@ class Publisher:
             log.exception("cluster: was %s published?", sandbox_id)
             return False
 
-    def _land(self, sandbox_id: str) -> None:
-        """etcd holds our record of it: remember that, durably, once."""
-        if sandbox_id in self._marked:
+    def held(self, sandbox_id: str) -> None:
+        """etcd holds a record of it naming this host (our write succeeded, or the route
+        cache saw one: a sandbox moved here by a drain or the reaper): remember that,
+        durably, once."""
+        if sandbox_id in self._marked or self.landed is None:
             return
         try:
             self.landed(sandbox_id)
