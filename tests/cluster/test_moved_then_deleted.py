@@ -118,5 +118,8 @@ def test_a_cut_off_host_that_rejoins_after_the_delete_does_not_bring_it_back(
         assert r.status_code == 404, (host.name, r.status_code, r.text)
     db = str(a.data_dir / "registry.sqlite")
     assert _row(db, "SELECT state FROM sandboxes WHERE id = ?", sid) == ("destroyed",)
+    cause = _row(db, "SELECT cause FROM transitions WHERE sandbox_id = ? ORDER BY seq DESC "
+                 "LIMIT 1", sid)
+    print(f"\n[tomb] the cut host's copy went: {cause}")
     assert fleet.vmm_pids(a) == []
     assert list_namespaces(f"{fleet.prefix}{a.name}-") == []
