@@ -8,7 +8,9 @@ reaper moves the record to B, which adopts it; the tenant deletes it through B (
 goes). A restarts with its stale local copy and finds no record for it: because it had
 published it, the absence means "deleted by its new owner", so A destroys the copy (VMM,
 namespace, files; its row DESTROYED) and never publishes it again. Without that rule A
-published it again and the deleted sandbox came back through every host.
+published it again and the deleted sandbox came back through every host (checked: with
+the registry's memory unwired this test fails, A keeping its copy). The second test does
+the same with A only cut off from the network, rejoining after the delete.
 """
 
 from __future__ import annotations
