@@ -76,6 +76,8 @@ class Local:
     adopt: Callable[..., Awaitable[Any]]
     evict: Callable[[str, str], Awaitable[bool]]  # (sandbox_id, holder)
     bases: Callable[[], Collection[str]]  # the base identities this host holds
+    # destroy a published copy whose record its new owner deleted (gateway.cluster.publisher)
+    discard: Callable[[str], Awaitable[bool]] | None = None
 
 
 class Adopter:
@@ -118,6 +120,23 @@ class Adopter:
         if what is Do.ADOPT:
             self._adopting.add(record.id)
         task.add_done_callback(lambda t, s=record.id: self._done(s, t))
+
+    def discard(self, sandbox_id: str) -> None:
+        """Destroy the local copy of ``sandbox_id``: this host had published it and its
+        record is gone (deleted by the host it moved to). Never blocks; a sandbox a drain
+        is moving, or one already being worked on, is left alone (the next sync asks again)."""
+        local = self.local
+        if local is None or local.discard is None or sandbox_id in self._tasks \
+                or sandbox_id in self.busy:
+            return
+        task = asyncio.create_task(self._discard(local.discard, sandbox_id),
+                                   name=f"discard:{sandbox_id}")
+        self._tasks[sandbox_id] = task
+        task.add_done_callback(lambda t, s=sandbox_id: self._done(s, t))
+
+    async def _discard(self, discard: Callable[[str], Awaitable[bool]], sandbox_id: str) -> None:
+        if await discard(sandbox_id):
+            self.evicted.append(sandbox_id)
 
     def _done(self, sandbox_id: str, task: asyncio.Task[None]) -> None:
         if self._tasks.get(sandbox_id) is task:

@@ -115,6 +115,8 @@ class ClusterNode:
         # owners see why and can delete them.
         self.adopter = Adopter(config.host, self._objstore,
                                Ownership(self.client, self.keys), self._lease)
+        # A local copy whose published record its new owner deleted goes the eviction's way.
+        self.publisher.discard = self.adopter.discard
         from gateway.cluster.election import Election
         from gateway.cluster.reaper import ReaperLoop
 
@@ -242,6 +244,9 @@ class ClusterNode:
                 in list(self.routes.table.sandboxes.items())
                 if record.host == self.config.host and sandbox_id not in have
                 and not self._kept(record)]
+        for sandbox_id, record in list(self.routes.table.sandboxes.items()):
+            if record.host == self.config.host and sandbox_id in have:
+                self.publisher.held(sandbox_id)
         self.publisher.sync([*local, *gone])
         if self.adopter is not None:
             self.adopter.scan(self.routes.table.sandboxes.values())
@@ -259,6 +264,9 @@ class ClusterNode:
         moved away are evicted (the adopter), and a host record's delete wakes the reaper."""
         table = self.routes.table
         if events is None:
+            for record in list(table.sandboxes.values()):
+                if record.host == self.config.host:
+                    self.publisher.held(record.id)
             if self.adopter is not None:
                 self.adopter.scan(table.sandboxes.values())
             self.reaper.poke()
@@ -269,6 +277,8 @@ class ClusterNode:
                 self.reaper.poke()
             elif key.startswith(self.keys.sandboxes) and self.adopter is not None:
                 record = table.sandboxes.get(key[len(self.keys.sandboxes):])
+                if record is not None and record.host == self.config.host:
+                    self.publisher.held(record.id)  # e.g. moved here by a drain
                 if record is not None:
                     self.adopter.consider(record)
 

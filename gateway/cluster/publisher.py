@@ -14,11 +14,21 @@ it yet (they answer 404 until the record lands).
 A suspend clears the record's snapshot location (gateway.cluster.shipper names the new
 one once it is uploaded). A record held by another host (moved away: its generation went
 up) is never overwritten: the change is dropped and logged. DESTROYED deletes the record.
+
+**A record we published that is gone.** Only an owner deletes its record, so a live local
+sandbox whose record is absent either never had one (created while etcd did not answer:
+it is created now) or had one that its new owner deleted after the sandbox was moved away
+while this host was down or cut off (the tenant deleted it there). The host remembers,
+durably (``landed``: the registry's ``published`` table), each sandbox whose record it has
+seen in etcd naming it (a create or update that succeeded, or a read that found it); for
+such a sandbox an absent record means the second case, and the local copy is destroyed
+(``discard``), never published again. ``plan`` is that decision, with no I/O.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -36,6 +46,28 @@ log = logging.getLogger(__name__)
 _SUSPENDING = frozenset({State.SUSPENDING, State.SUSPENDED})
 
 
+class Step(enum.Enum):
+    CREATE = "create"    # no record, never published: created (e.g. made during an outage)
+    UPDATE = "update"    # our record, another state
+    CONFIRM = "confirm"  # our record, as it should be: nothing to write
+    DELETE = "delete"    # destroyed here, our record still there
+    NOTHING = "nothing"  # destroyed here, no record
+    LEAVE = "leave"      # another host holds it: never written (the adopter evicts our copy)
+    DISCARD = "discard"  # published once, now absent: deleted by its new owner; destroy ours
+
+
+def plan(me: str, state: State, current: SandboxRecord | None, published: bool) -> Step:
+    """(No I/O.) What a local ``state`` does to the record etcd holds (``current``, read
+    fresh), given whether this host has seen its record in etcd before (``published``)."""
+    if current is not None and current.host != me:
+        return Step.LEAVE
+    if state is State.DESTROYED:
+        return Step.NOTHING if current is None else Step.DELETE
+    if current is None:
+        return Step.DISCARD if published else Step.CREATE
+    return Step.CONFIRM if current.state is state else Step.UPDATE
+
+
 class Publisher:
     def __init__(self, ownership: Ownership, host: str, lease: Callable[[], int], *,
                  timeout: float = 5.0, backoff: float = 1.0) -> None:
@@ -50,6 +82,15 @@ class Publisher:
         # the record when it is created, so a host the reaper gives it to can register it
         # even if nothing of it was shipped (gateway.cluster.reaper).
         self.describe: Callable[[str], dict[str, Any]] = lambda sandbox_id: {}
+        # The durable memory of which sandboxes' records etcd has held naming this host
+        # (the app wires the registry's ``published`` table; until then nothing is
+        # remembered), and what destroys a local copy whose record its new owner deleted
+        # (the node wires the adopter's ``discard``). ``discard`` must not block.
+        self.landed: Callable[[str], None] | None = None
+        self.was_published: Callable[[str], bool] = lambda sandbox_id: False
+        self.discard: Callable[[str], None] = lambda sandbox_id: None
+        self._marked: set[str] = set()
+        self.discarded: list[str] = []
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"cluster-publisher:{self.host}")
@@ -104,20 +145,33 @@ class Publisher:
 
     async def _write(self, sandbox_id: str, state: State) -> None:
         current = self._known.get(sandbox_id) or await self.ownership.get(sandbox_id)
-        if current is not None and current.record.host != self.host:
-            log.warning("cluster: %s is held by %s (gen %d): not publishing our %s",
-                        sandbox_id, current.record.host, current.record.gen, state.value)
-            self._known.pop(sandbox_id, None)
-            return
+        step = plan(self.host, state, current and current.record,
+                    state is not State.DESTROYED and self._published(sandbox_id))
         try:
-            if state is State.DESTROYED:
-                if current is not None:
-                    await self.ownership.delete(current, self.lease())
+            if step is Step.LEAVE:
+                assert current is not None
+                log.warning("cluster: %s is held by %s (gen %d): not publishing our %s",
+                            sandbox_id, current.record.host, current.record.gen, state.value)
                 self._known.pop(sandbox_id, None)
-            elif current is None:
+            elif step is Step.DISCARD:
+                log.warning("cluster: %s was published by this host and its record is gone "
+                            "(deleted by the host it moved to): destroying the local copy, "
+                            "not publishing it again", sandbox_id)
+                self._known.pop(sandbox_id, None)
+                self.discarded.append(sandbox_id)
+                self.discard(sandbox_id)
+            elif step is Step.NOTHING:
+                self._known.pop(sandbox_id, None)
+            elif step is Step.DELETE:
+                assert current is not None
+                await self.ownership.delete(current, self.lease())
+                self._known.pop(sandbox_id, None)
+            elif step is Step.CREATE:
                 record = SandboxRecord(sandbox_id, self.host, state, **self._described(sandbox_id))
                 self._known[sandbox_id] = await self.ownership.create(record, self.lease())
-            elif current.record.state is not state:
+                self.held(sandbox_id)
+            elif step is Step.UPDATE:
+                assert current is not None
                 changes: dict[str, object] = {"state": state}
                 if state in _SUSPENDING and current.record.state not in _SUSPENDING:
                     changes["snapshot"] = ""  # the shipped one is older than this suspend
@@ -127,11 +181,36 @@ class Publisher:
                     changes |= self._described(sandbox_id)
                 self._known[sandbox_id] = await self.ownership.update(
                     current, self.lease(), **changes)
+                self.held(sandbox_id)
             else:
+                assert current is not None
                 self._known[sandbox_id] = current
+                self.held(sandbox_id)
         except OwnershipConflict:
             self._known.pop(sandbox_id, None)  # read again on the retry
             raise
+
+    def _published(self, sandbox_id: str) -> bool:
+        if sandbox_id in self._marked:
+            return True
+        try:
+            return self.was_published(sandbox_id)
+        except Exception:  # a registry that cannot answer: publish rather than destroy
+            log.exception("cluster: was %s published?", sandbox_id)
+            return False
+
+    def held(self, sandbox_id: str) -> None:
+        """etcd holds a record of it naming this host (our write succeeded, or the route
+        cache saw one: a sandbox moved here by a drain or the reaper): remember that,
+        durably, once."""
+        if sandbox_id in self._marked or self.landed is None:
+            return
+        try:
+            self.landed(sandbox_id)
+        except Exception:
+            log.exception("cluster: remembering that %s was published", sandbox_id)
+            return
+        self._marked.add(sandbox_id)
 
     def _described(self, sandbox_id: str) -> dict[str, Any]:
         """The record's tenant, template and shape, from ``describe`` (never raises)."""

@@ -244,9 +244,14 @@ class ReaperLoop:
 
     def __init__(self, election: Election, ownership: Ownership, table: RouteTable,
                  host: str, lease: Callable[[], int], *, grace: float, every: float = 3.0,
-                 k: int = 2) -> None:
+                 k: int = 2, campaign_for: float = 30.0) -> None:
         self.election, self.ownership, self.table = election, ownership, table
         self.host, self.lease, self.grace, self.every, self.k = host, lease, grace, every, k
+        # A campaign is a long poll with no deadline: sent to a member that was then cut
+        # off it never answers (found by tests/cluster/test_moved_then_deleted.py: the
+        # survivor's reaper never led). So a campaign is given up when this host's lease
+        # changes (it was fenced and rejoined) or after ``campaign_for`` s, and made again.
+        self.campaign_for = campaign_for
         self.leading = False
         self.absent_since: dict[str, float] = {}
         self.done: list[Action] = []
@@ -261,7 +266,7 @@ class ReaperLoop:
             try:
                 if not lease:
                     raise ClusterError("no lease yet")
-                leader = await self.election.campaign(lease, self.host)
+                leader = await self._campaign(lease)
             except ClusterError as exc:
                 log.info("reaper: campaign of %s: %s; again in 1 s", self.host, exc)
                 await asyncio.sleep(1.0)
@@ -279,6 +284,25 @@ class ReaperLoop:
                         await asyncio.wait_for(self._poked.wait(), self.every)
             finally:
                 self.leading = False
+
+    async def _campaign(self, lease: int, poll: float = 0.25) -> Any:
+        """The election's campaign on ``lease``, given up (ClusterError) when the lease
+        changes or it has run ``campaign_for`` seconds (cancelling withdraws it)."""
+        task = asyncio.ensure_future(self.election.campaign(lease, self.host))
+        begin = time.monotonic()
+        try:
+            while not task.done():
+                if self.lease() != lease:
+                    raise ClusterError(f"lease {lease:x} replaced: campaigning again")
+                if time.monotonic() - begin > self.campaign_for:
+                    raise ClusterError(f"no answer in {self.campaign_for:.0f} s")
+                await asyncio.wait({task}, timeout=poll)
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, ClusterError):
+                    await task
 
     async def one_pass(self, guard: dict[str, Any]) -> list[Action]:
         table = self.table

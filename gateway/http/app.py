@@ -248,12 +248,15 @@ def _adopt_through(service: SandboxService, node: cluster_node.ClusterNode) -> N
     node.adopter.local = Local(state=state, adoptable=node.adoptable,
                                adopt=partial(adoption.adopt, service),
                                evict=partial(adoption.evict, service),
-                               bases=node.bases)
+                               bases=node.bases,
+                               discard=partial(adoption.discard, service))
 
 
 def _route_through(app: web.Application, config: Config, registry: Registry,
                    node: cluster_node.ClusterNode) -> None:
     """[cluster] on: publish this host's sandboxes and forward others' requests."""
+    from functools import partial
+
     from gateway.http import cluster_forward
     from gateway.preview.forward import Forwarder
 
@@ -266,6 +269,9 @@ def _route_through(app: web.Application, config: Config, registry: Registry,
                                        "disk_mib": rec.disk_mib}
 
     node.publisher.describe = describe
+    prefix = config.cluster.key_prefix  # which sandboxes' records etcd has held (publisher)
+    node.publisher.landed = partial(registry.mark_published, key_prefix=prefix)
+    node.publisher.was_published = partial(registry.was_published, key_prefix=prefix)
     node.publish_local(lambda: [(r.id, r.state) for r in registry.list()])
     if node.shipper is not None:  # [cluster] objstore_endpoint: ship suspended snapshots
         from gateway.cluster.shipper import from_registry

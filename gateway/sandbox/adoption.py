@@ -368,3 +368,22 @@ async def evict(service: Any, sandbox_id: str, holder: str) -> bool:
     service.forget(sandbox_id)
     log.warning("sandbox %s: local copy destroyed, host %s holds it now", sandbox_id, holder)
     return True
+
+
+DELETED_AFTER_MOVE = ("its record was deleted by the host it moved to while this host was "
+                      "away (deleted there by its owner)")
+
+
+async def discard(service: Any, sandbox_id: str) -> bool:
+    """Destroy the local copy of a sandbox this host had published whose record is gone:
+    moved away while this host was down or cut off, then deleted on its new host
+    (gateway.cluster.publisher). The eviction's path (VMM, namespace, files; the row goes
+    DESTROYED), with a cause that never makes it adoptable again. False if no local copy."""
+    rec = service.registry.get(sandbox_id)
+    if rec is None or rec.state is State.DESTROYED:
+        return False
+    ctl = service.controller(rec)
+    await ctl.destroy(DELETED_AFTER_MOVE)
+    service.forget(sandbox_id)
+    log.warning("sandbox %s: local copy destroyed: %s", sandbox_id, DELETED_AFTER_MOVE)
+    return True

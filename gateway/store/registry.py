@@ -60,6 +60,9 @@ CREATE TABLE IF NOT EXISTS templates (
   source TEXT NOT NULL, state TEXT NOT NULL, created_at REAL NOT NULL,
   parent TEXT, base TEXT, size_bytes INTEGER NOT NULL DEFAULT 0, meta TEXT NOT NULL DEFAULT '{}');
 CREATE INDEX IF NOT EXISTS templates_tenant ON templates(tenant, name);
+CREATE TABLE IF NOT EXISTS published (
+  sandbox_id TEXT NOT NULL, key_prefix TEXT NOT NULL, at REAL NOT NULL,
+  PRIMARY KEY (sandbox_id, key_prefix));
 CREATE TABLE IF NOT EXISTS daemon_runs (
   id INTEGER PRIMARY KEY AUTOINCREMENT, started_at REAL NOT NULL, heartbeat REAL NOT NULL);
 """
@@ -297,6 +300,21 @@ class Registry:
         if tenant is not None:
             sql, args = sql + " WHERE s.tenant = ?", [tenant]
         return [dict(r) for r in self._db.execute(sql + " ORDER BY t.sandbox_id, t.seq", args)]
+
+    # -- the fleet: which sandboxes' records etcd has held naming this host -----------
+
+    def mark_published(self, sandbox_id: str, key_prefix: str) -> None:
+        """etcd (under ``key_prefix``) has held this sandbox's record naming this host
+        (gateway.cluster.publisher): from then on, its record's absence means its new
+        owner deleted it after a move, and the local copy is destroyed, not republished."""
+        self._db.execute("INSERT OR IGNORE INTO published (sandbox_id, key_prefix, at) "
+                         "VALUES (?, ?, ?)", (sandbox_id, key_prefix, time.time()))
+
+    def was_published(self, sandbox_id: str, key_prefix: str) -> bool:
+        """Has ``mark_published`` been called for it under this prefix (a fleet with another
+        prefix is another fleet: its sandboxes are published there as new)?"""
+        return self._db.execute("SELECT 1 FROM published WHERE sandbox_id = ? AND "
+                                "key_prefix = ?", (sandbox_id, key_prefix)).fetchone() is not None
 
     # -- daemon runs: when a daemon was up (gateway.tenancy.usage closes a crash's intervals) --
 

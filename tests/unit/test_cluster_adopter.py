@@ -204,3 +204,25 @@ async def test_a_failed_record_moved_here_gets_its_last_disk_or_nothing():
     assert not fetched and failed == "host a died; everything lost"
     assert meta == {"tenant": "k1", "template": "python", "vcpus": 2, "memory_mib": 512,
                     "disk_mib": 0}
+
+
+async def test_a_published_copy_whose_record_was_deleted_is_discarded_unless_busy():
+    """The publisher's DISCARD (its record deleted by the host it moved to): the local
+    copy goes through the sandbox layer's ``discard``, once, never while a drain moves it."""
+    discarded = []
+
+    async def discard(sandbox_id):
+        discarded.append(sandbox_id)
+        await asyncio.sleep(0.05)
+        return True
+    adopter, _, _ = make(SandboxRecord("s", "me", S.RUNNING, 1), None)
+    adopter.local = dataclasses.replace(adopter.local, discard=discard)
+    adopter.busy.add("moving")
+    adopter.discard("moving")
+    adopter.discard("s")
+    adopter.discard("s")  # a second sync while the first runs: one destroy
+    await settle(adopter)
+    assert discarded == ["s"] and adopter.evicted == ["s"]
+    adopter.local = dataclasses.replace(adopter.local, discard=None)  # not wired: nothing
+    adopter.discard("t")
+    assert not adopter.working

@@ -71,3 +71,32 @@ async def test_a_sync_keeps_records_to_adopt_and_failed_reasons_and_publishes_ba
     node.publish_local(lambda: [("mine", State.RUNNING)])
     assert noted == [("mine", State.RUNNING), ("gone", State.DESTROYED)]
     await node.aclose()
+
+
+async def test_records_naming_this_host_are_remembered_as_published() -> None:
+    """What the route cache shows naming this host (at a sync, a listing, a watch event:
+    e.g. a record a drain moved here) is remembered, so its later absence means it was
+    deleted by the host it moved to; records of other hosts are not."""
+    from gateway.cluster import wire
+    from gateway.cluster.node import Load
+    from gateway.cluster.records import SandboxRecord
+
+    node = ClusterNode(ClusterConfig(
+        enabled=True, endpoints=["http://127.0.0.1:1"], host="h1", advertise="127.0.0.1:8080"),
+        lambda: Load(100, 50, 2, 2, 0))
+    marked: list[str] = []
+    table = node.routes.table.sandboxes
+    table.update({"mine": SandboxRecord("mine", "h1", State.RUNNING),
+                  "other": SandboxRecord("other", "h2", State.RUNNING)})
+    node._routes_changed(None)  # the route cache's first listing, before the app wires it
+    node.publisher.landed = marked.append
+    node.publisher.sync = lambda items: None
+    node.publish_local(lambda: [("mine", State.RUNNING), ("other", State.RUNNING)])
+    assert marked == ["mine"]
+    table["drained"] = SandboxRecord("drained", "h1", State.RUNNING, 2)
+    key = (node.keys.sandboxes + "drained").encode()
+    node._routes_changed((wire.Event(wire.EventType.PUT, wire.KeyValue(key, b"", 0, 0, 0, 0)),))
+    table["listed"] = SandboxRecord("listed", "h1", State.SUSPENDED, 3)
+    node._routes_changed(None)
+    assert marked == ["mine", "drained", "listed"]  # each once
+    await node.aclose()

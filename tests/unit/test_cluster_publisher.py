@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sqlite3
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from gateway.cluster.errors import EtcdUnavailable, OwnershipConflict
 from gateway.cluster.ownership import Versioned
-from gateway.cluster.publisher import Publisher
+from gateway.cluster.publisher import Publisher, Step, plan
 from gateway.cluster.records import SandboxRecord
 from gateway.sandbox.states import State
+from gateway.store.registry import Registry
 
 
 class FakeOwnership:
@@ -181,3 +186,103 @@ async def test_a_created_record_names_whose_it_is_and_its_shape() -> None:
         assert fake.store["sbx3"].record.tenant == ""
     finally:
         await pub.aclose()
+
+
+# -- a record this host published that is gone: deleted by the host it moved to ----------
+
+_ME, _OTHER = "host-a", "host-b"
+
+
+@pytest.mark.parametrize(("state", "current", "published", "step"), [
+    # never published, no record: created (made during an etcd outage, or just now)
+    (State.RUNNING, None, False, Step.CREATE),
+    (State.SUSPENDED, None, False, Step.CREATE),
+    # published before, record absent: its new owner deleted it after a move: destroy ours
+    (State.RUNNING, None, True, Step.DISCARD),
+    (State.SUSPENDED, None, True, Step.DISCARD),
+    (State.FAILED, None, True, Step.DISCARD),
+    # destroyed here: nothing to delete / our record deleted, published or not
+    (State.DESTROYED, None, True, Step.NOTHING),
+    (State.DESTROYED, None, False, Step.NOTHING),
+    (State.DESTROYED, SandboxRecord("s", _ME, State.RUNNING, 1), True, Step.DELETE),
+    # another host holds it (moved away, gen went up): never written, whatever we know
+    (State.RUNNING, SandboxRecord("s", _OTHER, State.SUSPENDED, 2), True, Step.LEAVE),
+    (State.RUNNING, SandboxRecord("s", _OTHER, State.SUSPENDED, 2), False, Step.LEAVE),
+    (State.DESTROYED, SandboxRecord("s", _OTHER, State.RUNNING, 2), True, Step.LEAVE),
+    # ours
+    (State.RUNNING, SandboxRecord("s", _ME, State.RUNNING, 1), True, Step.CONFIRM),
+    (State.RUNNING, SandboxRecord("s", _ME, State.RUNNING, 1), False, Step.CONFIRM),
+    (State.SUSPENDED, SandboxRecord("s", _ME, State.RUNNING, 1), True, Step.UPDATE),
+], ids=lambda v: getattr(v, "value", None) or getattr(v, "host", None) or str(v))
+def test_sync_decision(state: State, current: SandboxRecord | None, published: bool,
+                       step: Step) -> None:
+    assert plan(_ME, state, current, published) is step
+
+
+async def test_a_published_sandbox_whose_record_is_gone_is_discarded_never_republished(
+        tmp_path: Path) -> None:
+    """The registry remembers (durably, per key prefix) what etcd held; a restart (a new
+    Publisher on the same registry) destroys the copy of a deleted one and creates the
+    record of one never published."""
+    registry = Registry(tmp_path / "r.db")
+    fake = FakeOwnership()
+
+    def publisher() -> Publisher:
+        pub = Publisher(fake, _ME, lambda: 7, backoff=0.01)  # type: ignore[arg-type]
+        pub.landed = lambda sid: registry.mark_published(sid, "/agentbox")
+        pub.was_published = lambda sid: registry.was_published(sid, "/agentbox")
+        pub.discard = gone.append
+        return pub
+
+    gone: list[str] = []
+    pub = publisher()
+    pub.start()
+    try:
+        pub.changed("moved", State.RUNNING)
+        pub.changed("confirmed", State.SUSPENDED)
+        fake._put(SandboxRecord("confirmed", _ME, State.SUSPENDED, 2))  # adopted: found ours
+        await settle(pub)
+    finally:
+        await pub.aclose()
+    assert registry.was_published("moved", "/agentbox")
+    assert registry.was_published("confirmed", "/agentbox")
+    assert not registry.was_published("moved", "/other-fleet")
+    # Down: "moved" and "confirmed" moved away and deleted there; "new" made meanwhile.
+    del fake.store["moved"], fake.store["confirmed"]
+    registry.close()
+    registry = Registry(tmp_path / "r.db")
+    fake.calls.clear()
+    pub = publisher()
+    pub.start()
+    try:
+        pub.sync([("moved", State.RUNNING), ("confirmed", State.SUSPENDED),
+                  ("new", State.RUNNING)])
+        await settle(pub)
+        assert sorted(gone) == ["confirmed", "moved"] and pub.discarded == gone
+        assert sorted(fake.store) == ["new"] and fake.calls == [("create", "new", State.RUNNING)]
+        pub.changed("moved", State.DESTROYED)  # the discard's own transition: nothing
+        await settle(pub)
+        assert sorted(fake.store) == ["new"]
+    finally:
+        await pub.aclose()
+        registry.close()
+
+
+def test_the_published_table_is_added_to_an_older_data_dir(tmp_path: Path) -> None:
+    db = tmp_path / "r.db"
+    conn = sqlite3.connect(db)
+    conn.executescript("CREATE TABLE sandboxes (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, "
+                       "template TEXT NOT NULL, state TEXT NOT NULL, "
+                       "metadata TEXT NOT NULL DEFAULT '{}', slot INTEGER NOT NULL, "
+                       "root TEXT NOT NULL, golden TEXT NOT NULL, vmm TEXT, "
+                       "idle_timeout REAL NOT NULL, host TEXT NOT NULL, created_at REAL NOT NULL, "
+                       "updated_at REAL NOT NULL, last_activity REAL NOT NULL);")
+    conn.close()
+    registry = Registry(db)
+    try:
+        assert not registry.was_published("s1", "/agentbox")  # older data: never marked
+        registry.mark_published("s1", "/agentbox")
+        registry.mark_published("s1", "/agentbox")  # idempotent
+        assert registry.was_published("s1", "/agentbox")
+    finally:
+        registry.close()

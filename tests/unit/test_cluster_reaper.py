@@ -1,11 +1,12 @@
 """The reaper's decision for a dead host's sandboxes, case by case (no I/O)."""
 
+import asyncio
 import dataclasses
 import random
 
 import pytest
 
-from gateway.cluster.errors import OwnershipConflict
+from gateway.cluster.errors import ClusterError, OwnershipConflict
 from gateway.cluster.ownership import Versioned
 from gateway.cluster.placement import Request
 from gateway.cluster.reaper import Move, Wait, decide, reap
@@ -247,3 +248,34 @@ async def test_the_loop_reaps_only_due_hosts_with_work_left():
     assert [m[:3] for m in fake.moves] == [("s1", "b", State.SUSPENDED),
                                            ("s2", "b", State.FAILED)]
     assert set(loop.absent_since) == {"a", "d"}
+
+
+async def test_a_campaign_is_made_again_when_the_lease_changes_or_it_hangs():
+    """A campaign sent to a member that was then cut off never answers: it is given up
+    when this host's lease changes (fenced, rejoined) or after ``campaign_for``, and the
+    cancelled one withdraws (the election's own cancel path)."""
+    from gateway.cluster.reaper import ReaperLoop
+
+    calls, cancelled = [], []
+
+    class HungElection:
+        async def campaign(self, lease, value):
+            calls.append(lease)
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancelled.append(lease)
+                raise
+
+    lease = [7]
+    loop = ReaperLoop(HungElection(), None, None, "b", lambda: lease[0], grace=0.0,
+                      campaign_for=0.5)
+    task = asyncio.ensure_future(loop._campaign(7, poll=0.01))
+    await asyncio.sleep(0.05)
+    lease[0] = 8  # rejoined with a new lease
+    with pytest.raises(ClusterError, match="replaced"):
+        await task
+    assert calls == [7] and cancelled == [7]
+    with pytest.raises(ClusterError, match="no answer"):
+        await loop._campaign(8, poll=0.01)
+    assert calls == [7, 8] and cancelled == [7, 8]

@@ -309,3 +309,38 @@ def test_sweep_removes_staging_dirs(tmp_path):
     assert len(adoption.sweep(tmp_path)) == 2
     assert [p.name for p in tmp_path.iterdir()] == ["keep"]
     assert json.dumps([]) == "[]"
+
+
+async def test_a_discarded_copy_goes_destroyed_and_is_never_adopted_again(tmp_path):
+    """adoption.discard: the eviction's path (the controller's destroy, the service
+    forgets it), with a cause that names the delete and never makes it adoptable."""
+    from gateway.sandbox.states import Event
+
+    registry = Registry(tmp_path / "r.sqlite")
+    rec = SandboxRecord(id=SID, tenant="t", template="python", state=State.SUSPENDED, slot=1,
+                        root="/r", golden="/g", idle_timeout=0.0, host="h", created_at=0.0,
+                        updated_at=0.0, last_activity=0.0)
+    registry.insert_sandbox(rec)
+    forgot = []
+
+    class Ctl:
+        async def destroy(self, cause):
+            registry.transition(SID, Event.DESTROY, cause=cause)
+
+    class Service:
+        def __init__(self):
+            self.registry = registry
+
+        def controller(self, row):
+            assert row.id == SID
+            return Ctl()
+
+        def forget(self, sandbox_id):
+            forgot.append(sandbox_id)
+
+    assert await adoption.discard(Service(), SID)
+    assert registry.get(SID).state is State.DESTROYED and forgot == [SID]
+    assert "deleted" in registry.transitions(SID)[-1]["cause"]
+    assert not adoption.adoptable(registry, SID)
+    assert not await adoption.discard(Service(), SID)  # no live copy: nothing
+    assert not await adoption.discard(Service(), "other")
