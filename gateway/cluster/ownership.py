@@ -183,10 +183,10 @@ class Ownership:
                     result.raft_term)
 
     async def epoch(self, replace: str | None = None) -> tuple[str, int, int]:
-        """The fleet epoch, and the revision and raft term it was read at: written (a new random token)
-        when etcd holds none, or when it still holds ``replace`` (etcd went back in time:
-        every mark made under the old one stops counting). Compare-and-set, so hosts that
-        race agree on one token."""
+        """The fleet epoch, and the revision and raft term it was read at: written (a new
+        random token) when etcd holds none, or when it still holds ``replace`` (etcd went
+        back in time: every mark made under the old one stops counting). Compare-and-set,
+        so hosts that race agree on one token."""
         key = self.keys.epoch
         for _ in range(3):
             token = secrets.token_hex(16)

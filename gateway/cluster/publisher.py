@@ -217,7 +217,7 @@ class Publisher:
                         look.term, self.high_term if same else 0)
             if same:
                 await self._saw(look.revision, look.term)
-        step = plan(self.host, state, current and current.record, mark, seen)
+        step = plan(self.host, state, None if current is None else current.record, mark, seen)
         try:
             if step is Step.LEAVE:
                 assert current is not None

@@ -313,16 +313,17 @@ class Registry:
     def mark_published(self, sandbox_id: str, key_prefix: str, epoch: str = "",
                        revision: int = 0, term: int = 0) -> None:
         """etcd (under ``key_prefix``, in fleet ``epoch``) has held this sandbox's record
-        naming this host, at ``revision`` and raft ``term`` (gateway.cluster.publisher): from then on, its
-        record's absence in that epoch means its new owner deleted it after a move, and the
-        local copy is destroyed, not republished. A later mark replaces it."""
+        naming this host, at ``revision`` and raft ``term`` (gateway.cluster.publisher):
+        from then on, its record's absence in that epoch (etcd not older) means its new
+        owner deleted it after a move, and the local copy is destroyed, not republished.
+        A later mark replaces it."""
         self._db.execute("INSERT OR REPLACE INTO published (sandbox_id, key_prefix, at, epoch, "
                          "revision, term) VALUES (?, ?, ?, ?, ?, ?)",
                          (sandbox_id, key_prefix, time.time(), epoch, revision, term))
 
     def was_published(self, sandbox_id: str, key_prefix: str) -> tuple[str, int, int] | None:
-        """The (epoch, revision, raft term) of its mark under this prefix, or None (a fleet with another
-        prefix is another fleet: its sandboxes are published there as new)."""
+        """The (epoch, revision, raft term) of its mark under this prefix, or None (a fleet
+        with another prefix is another fleet: its sandboxes are published there as new)."""
         row = self._db.execute("SELECT epoch, revision, term FROM published WHERE "
                                "sandbox_id = ? AND key_prefix = ?",
                                (sandbox_id, key_prefix)).fetchone()
