@@ -338,8 +338,9 @@ class Publisher:
         unknown, the highest seen): remember that, durably, once per fleet epoch."""
         if self.landed is None or self.epoch is None:
             return  # the publisher marks it when it writes it (after learning the epoch)
-        known = self._marked.get(sandbox_id)
+        known = self._mark(sandbox_id)  # ours, or the registry's (from an earlier run)
         if known is not None and known.epoch == self.epoch:
+            self._marked[sandbox_id] = known
             return
         mark = Mark(self.epoch, revision or self.high_water, self.high_term)
         try:
