@@ -6,6 +6,10 @@
     {prefix}/apikeys/{key_id}        KeyRecord JSON (gateway.cluster.keyring): the hash, never
                                      the secret
     {prefix}/usage/{key_id}/{host}   a tenant's sandboxes on one host (gateway.cluster.quota)
+    {prefix}/epoch                   the fleet's epoch: a random token written when etcd has
+                                     none, renewed when etcd went back in time (restored from
+                                     a backup): gateway.cluster.publisher never destroys a copy
+                                     it published under another epoch
     {prefix}/sessions/{name}         SessionRecord JSON (gateway.cluster.session_names): who
                                      holds a session name fleet-wide
 
@@ -84,6 +88,10 @@ class Keys:
         """Present while ``host`` is being drained (``agentbox-server drain``): placement
         skips it and the host moves its sandboxes away (gateway/cluster/drain.py)."""
         return self.draining + check_host_name(host)
+
+    @property
+    def epoch(self) -> str:
+        return f"{self.prefix}/epoch"
 
     @property
     def sessions(self) -> str:

@@ -117,6 +117,7 @@ class ClusterNode:
                                Ownership(self.client, self.keys), self._lease)
         # A local copy whose published record its new owner deleted goes the eviction's way.
         self.publisher.discard = self.adopter.discard
+        self.publisher.relist = lambda: self.local()
         from gateway.cluster.election import Election
         from gateway.cluster.reaper import ReaperLoop
 

@@ -21,6 +21,7 @@ resolved by reading the record back.
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,6 +154,16 @@ def _landed_earlier(plan: Plan, result: wire.TxnResult, expected_rev: int) -> bo
         and current.mod_revision > expected_rev
 
 
+@dataclass(frozen=True)
+class Look:
+    """A sandbox's record and the fleet epoch, read together at one ``revision``."""
+
+    revision: int
+    current: Versioned | None
+    epoch: str | None  # None: etcd holds no epoch (wiped, or never written)
+    term: int = 0  # etcd's raft term (a restored or new cluster starts a new raft log)
+
+
 class Ownership:
     """The asyncio shell: sends plans, resolves lost answers by reading back."""
 
@@ -161,6 +172,35 @@ class Ownership:
 
     async def get(self, sandbox_id: str) -> Versioned | None:
         return decode_versioned(await self.client.get(self.keys.sandbox(sandbox_id)))
+
+    async def look(self, sandbox_id: str) -> Look:
+        """The record and the fleet epoch in one read (no compares: always succeeds)."""
+        result = await self.client.txn([], [wire.op_get(self.keys.sandbox(sandbox_id)),
+                                            wire.op_get(self.keys.epoch)], [])
+        epoch = _first_kv(result, 1)
+        return Look(result.revision, decode_versioned(_first_kv(result, 0)),
+                    None if epoch is None else epoch.value.decode(errors="replace"),
+                    result.raft_term)
+
+    async def epoch(self, replace: str | None = None) -> tuple[str, int, int]:
+        """The fleet epoch, and the revision and raft term it was read at: written (a new
+        random token) when etcd holds none, or when it still holds ``replace`` (etcd went
+        back in time: every mark made under the old one stops counting). Compare-and-set,
+        so hosts that race agree on one token."""
+        key = self.keys.epoch
+        for _ in range(3):
+            token = secrets.token_hex(16)
+            guard = wire.compare(key, wire.Target.CREATE, 0) if replace is None else \
+                wire.compare(key, wire.Target.VALUE, replace.encode())
+            result = await self.client.txn([guard], [wire.op_put(key, token)],
+                                           [wire.op_get(key)])
+            if result.succeeded:
+                return token, result.revision, result.raft_term
+            kv = _first_kv(result, 0)
+            if kv is not None:
+                return kv.value.decode(errors="replace"), result.revision, result.raft_term
+            replace = None  # none at all (wiped meanwhile): write a first one
+        raise EtcdUncertain(f"{key}: the fleet epoch keeps changing")
 
     async def list(self) -> tuple[int, dict[str, Versioned]]:
         """Every record and the revision they were read at (a watch starts after it)."""

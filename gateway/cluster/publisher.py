@@ -23,6 +23,16 @@ durably (``landed``: the registry's ``published`` table), each sandbox whose rec
 seen in etcd naming it (a create or update that succeeded, or a read that found it); for
 such a sandbox an absent record means the second case, and the local copy is destroyed
 (``discard``), never published again. ``plan`` is that decision, with no I/O.
+
+**An etcd that went back in time never destroys anything.** A wiped etcd (or one restored
+from an older backup) also lacks records this host published. Each mark therefore carries
+the fleet epoch (``{prefix}/epoch``, a random token written once, when etcd has none) and the
+revision at which etcd showed the record. An absent record discards the copy only when
+etcd, read at once with its epoch (``Ownership.look``), holds the mark's epoch and a
+revision no lower than the mark's and than any this host has seen under that epoch.
+Otherwise etcd lost data: the record is created again (``REPUBLISH``), an error is logged
+once per epoch, and if etcd went back but kept its epoch (a restore), the epoch is renewed,
+so every host's older marks stop counting, even after etcd's revision has grown past them.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import asyncio
 import enum
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.cluster.errors import ClusterError, OwnershipConflict
@@ -54,17 +65,56 @@ class Step(enum.Enum):
     NOTHING = "nothing"  # destroyed here, no record
     LEAVE = "leave"      # another host holds it: never written (the adopter evicts our copy)
     DISCARD = "discard"  # published once, now absent: deleted by its new owner; destroy ours
+    REPUBLISH = "republish"  # published once, absent because etcd lost data: create again
 
 
-def plan(me: str, state: State, current: SandboxRecord | None, published: bool) -> Step:
+@dataclass(frozen=True)
+class Mark:
+    """This host saw its record in etcd under fleet ``epoch`` at ``revision``, when etcd's
+    raft term was ``term`` (0: not known)."""
+
+    epoch: str
+    revision: int
+    term: int = 0
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What etcd showed with the absent record, in one read: its fleet epoch (None: none,
+    etcd was wiped), revision and raft term, and the highest revision and term this host
+    has seen from etcd under the epoch it knows (``high_water``, ``high_term``)."""
+
+    epoch: str | None
+    revision: int
+    high_water: int = 0
+    term: int = 0
+    high_term: int = 0
+
+
+def went_back(mark: Mark, seen: Seen) -> bool:
+    """(No I/O.) Is etcd older than what this host saw (wiped, replaced or restored)? A
+    restore keeps the epoch key and may even bump the revision past all we saw
+    (``etcdutl snapshot restore --bump-revision``), but starts a new raft log: its term
+    starts low again."""
+    return seen.epoch is None or seen.epoch != mark.epoch or not mark.epoch \
+        or seen.revision < max(mark.revision, seen.high_water) \
+        or 0 < seen.term < max(mark.term, seen.high_term)
+
+
+def plan(me: str, state: State, current: SandboxRecord | None, mark: Mark | None,
+         seen: Seen | None = None) -> Step:
     """(No I/O.) What a local ``state`` does to the record etcd holds (``current``, read
-    fresh), given whether this host has seen its record in etcd before (``published``)."""
+    fresh), given where this host saw its record before (``mark``: None, never) and, for a
+    published one found absent, what etcd showed with it (``seen``: None, not looked yet,
+    so never a discard)."""
     if current is not None and current.host != me:
         return Step.LEAVE
     if state is State.DESTROYED:
         return Step.NOTHING if current is None else Step.DELETE
     if current is None:
-        return Step.DISCARD if published else Step.CREATE
+        if mark is None:
+            return Step.CREATE
+        return Step.REPUBLISH if seen is None or went_back(mark, seen) else Step.DISCARD
     return Step.CONFIRM if current.state is state else Step.UPDATE
 
 
@@ -86,11 +136,21 @@ class Publisher:
         # (the app wires the registry's ``published`` table; until then nothing is
         # remembered), and what destroys a local copy whose record its new owner deleted
         # (the node wires the adopter's ``discard``). ``discard`` must not block.
-        self.landed: Callable[[str], None] | None = None
-        self.was_published: Callable[[str], bool] = lambda sandbox_id: False
+        # A mark is (fleet epoch, revision) (``Mark``); ``was_published`` answers one or None.
+        self.landed: Callable[[str, Mark], None] | None = None
+        self.was_published: Callable[[str], tuple[Any, ...] | None] = lambda sandbox_id: None
         self.discard: Callable[[str], None] = lambda sandbox_id: None
-        self._marked: set[str] = set()
+        self._marked: dict[str, Mark] = {}
         self.discarded: list[str] = []
+        # The fleet epoch this host knows (read or written before its first write) and the
+        # highest store revision etcd has answered it under that epoch.
+        self.epoch: str | None = None
+        self.high_water = self.high_term = 0
+        self.republished: list[str] = []
+        # Every local sandbox and its state (the node wires its ``local``): noted again when
+        # the epoch changes, so each one is marked anew under it.
+        self.relist: Callable[[], Iterable[tuple[str, State]]] = list
+        self._lost_logged: set[str] = set()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"cluster-publisher:{self.host}")
@@ -144,9 +204,20 @@ class Publisher:
                 self._wake.set()
 
     async def _write(self, sandbox_id: str, state: State) -> None:
+        if self.epoch is None:
+            self._epoch_is(*await self.ownership.epoch())
         current = self._known.get(sandbox_id) or await self.ownership.get(sandbox_id)
-        step = plan(self.host, state, current and current.record,
-                    state is not State.DESTROYED and self._published(sandbox_id))
+        mark = None if state is State.DESTROYED else self._mark(sandbox_id)
+        seen = None
+        if current is None and mark is not None:  # gone: moved and deleted, or etcd lost it?
+            look = await self.ownership.look(sandbox_id)
+            current = look.current
+            same = look.epoch == self.epoch
+            seen = Seen(look.epoch, look.revision, self.high_water if same else 0,
+                        look.term, self.high_term if same else 0)
+            if same:
+                await self._saw(look.revision, look.term)
+        step = plan(self.host, state, None if current is None else current.record, mark, seen)
         try:
             if step is Step.LEAVE:
                 assert current is not None
@@ -166,10 +237,17 @@ class Publisher:
                 assert current is not None
                 await self.ownership.delete(current, self.lease())
                 self._known.pop(sandbox_id, None)
-            elif step is Step.CREATE:
+            elif step in (Step.CREATE, Step.REPUBLISH):
+                if step is Step.REPUBLISH:
+                    assert mark is not None
+                    await self._lost(sandbox_id, mark, seen)
                 record = SandboxRecord(sandbox_id, self.host, state, **self._described(sandbox_id))
-                self._known[sandbox_id] = await self.ownership.create(record, self.lease())
-                self.held(sandbox_id)
+                created = await self.ownership.create(record, self.lease())
+                self._known[sandbox_id] = created
+                await self._saw(created.mod_revision)
+                self.held(sandbox_id, created.mod_revision)
+                if step is Step.REPUBLISH:
+                    self.republished.append(sandbox_id)
             elif step is Step.UPDATE:
                 assert current is not None
                 changes: dict[str, object] = {"state": state}
@@ -179,38 +257,98 @@ class Publisher:
                     changes["reason"] = ""  # why it failed once: no longer true
                 if not current.record.tenant:  # a record from before tenants were named
                     changes |= self._described(sandbox_id)
-                self._known[sandbox_id] = await self.ownership.update(
-                    current, self.lease(), **changes)
-                self.held(sandbox_id)
+                updated = await self.ownership.update(current, self.lease(), **changes)
+                self._known[sandbox_id] = updated
+                await self._saw(updated.mod_revision)
+                self.held(sandbox_id, updated.mod_revision)
             else:
                 assert current is not None
                 self._known[sandbox_id] = current
-                self.held(sandbox_id)
+                self.held(sandbox_id, current.mod_revision)
         except OwnershipConflict:
             self._known.pop(sandbox_id, None)  # read again on the retry
             raise
 
-    def _published(self, sandbox_id: str) -> bool:
+    def _mark(self, sandbox_id: str) -> Mark | None:
         if sandbox_id in self._marked:
-            return True
+            return self._marked[sandbox_id]
         try:
-            return self.was_published(sandbox_id)
+            found = self.was_published(sandbox_id)
+            return None if found is None else Mark(str(found[0]), *map(int, found[1:3]))
         except Exception:  # a registry that cannot answer: publish rather than destroy
             log.exception("cluster: was %s published?", sandbox_id)
-            return False
+            return None
 
-    def held(self, sandbox_id: str) -> None:
-        """etcd holds a record of it naming this host (our write succeeded, or the route
-        cache saw one: a sandbox moved here by a drain or the reaper): remember that,
-        durably, once."""
-        if sandbox_id in self._marked or self.landed is None:
+    def _epoch_is(self, epoch: str, revision: int, term: int = 0) -> None:
+        if epoch != self.epoch:
+            old, self.epoch, self.high_water, self.high_term = self.epoch, epoch, revision, term
+            if old is not None:  # marks under the old epoch no longer count: mark all anew
+                try:
+                    self.sync(self.relist())
+                except Exception:
+                    log.exception("cluster: listing the local sandboxes to mark them anew")
+        self.high_water = max(self.high_water, revision)
+        self.high_term = max(self.high_term, term)
+
+    async def _saw(self, revision: int, term: int = 0) -> None:
+        """etcd answered at store ``revision`` and raft ``term`` (0: not known) under the
+        epoch we know: lower than before means it went back (restored from an older backup,
+        same epoch): renew the epoch at once, before its revision can grow past ours."""
+        if revision < self.high_water:
+            why = f"its revision went back from {self.high_water} to {revision}"
+        elif 0 < term < self.high_term:
+            why = f"its raft term went back from {self.high_term} to {term}"
+        else:
+            self.high_water, self.high_term = revision, max(self.high_term, term)
             return
+        self._epoch_is(*await self.ownership.epoch(replace=self.epoch))
+        self._log_lost(why)
+
+    async def _lost(self, sandbox_id: str, mark: Mark, seen: Seen | None) -> None:
+        """``sandbox_id``'s record is gone because etcd lost data: learn (or write) the
+        epoch of the etcd we now talk to; say so once per epoch."""
+        if seen is None:
+            return
+        if seen.epoch is None:  # wiped: write a first epoch (or read the one a peer wrote)
+            self._epoch_is(*await self.ownership.epoch())
+            why = "it holds no fleet epoch (wiped or replaced)"
+        elif seen.epoch == mark.epoch:  # same epoch, older revision: restored from a backup
+            self._epoch_is(*await self.ownership.epoch(replace=seen.epoch))
+            why = f"revision {seen.revision}, raft term {seen.term}: older than this host saw"
+        else:  # another host renewed it already, or the mark predates epochs
+            self._epoch_is(seen.epoch, seen.revision, seen.term)
+            why = "its fleet epoch changed" if mark.epoch else "marked before fleet epochs"
+        log.warning("cluster: %s was published by this host and its record is missing "
+                    "because etcd lost data (%s): publishing it again", sandbox_id, why)
+        if mark.epoch:
+            self._log_lost(why)
+
+    def _log_lost(self, why: str) -> None:
+        if self.epoch in self._lost_logged:
+            return
+        self._lost_logged.add(self.epoch or "")
+        log.error("cluster: etcd lost data (%s): it was wiped, replaced or restored from an "
+                  "older backup. This host destroys none of its sandboxes for it: each one "
+                  "whose record is missing is published again (fleet epoch now %s)",
+                  why, self.epoch)
+
+    def held(self, sandbox_id: str, revision: int = 0) -> None:
+        """etcd holds a record of it naming this host (our write succeeded, or the route
+        cache saw one: a sandbox moved here by a drain or the reaper) at ``revision`` (0:
+        unknown, the highest seen): remember that, durably, once per fleet epoch."""
+        if self.landed is None or self.epoch is None:
+            return  # the publisher marks it when it writes it (after learning the epoch)
+        known = self._mark(sandbox_id)  # ours, or the registry's (from an earlier run)
+        if known is not None and known.epoch == self.epoch:
+            self._marked[sandbox_id] = known
+            return
+        mark = Mark(self.epoch, revision or self.high_water, self.high_term)
         try:
-            self.landed(sandbox_id)
+            self.landed(sandbox_id, mark)
         except Exception:
             log.exception("cluster: remembering that %s was published", sandbox_id)
             return
-        self._marked.add(sandbox_id)
+        self._marked[sandbox_id] = mark
 
     def _described(self, sandbox_id: str) -> dict[str, Any]:
         """The record's tenant, template and shape, from ``describe`` (never raises)."""

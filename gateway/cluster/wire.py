@@ -95,6 +95,7 @@ class TxnResult:
     succeeded: bool
     # One per operation of the branch that ran: RangeResult for a range, else the raw dict.
     responses: tuple[Any, ...]
+    raft_term: int = 0  # the header's: only grows in one raft log (a restore starts anew)
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ def decode_txn(answer: Any) -> TxnResult:
         item = _obj(item, "txn response")
         out.append(decode_range(item["response_range"]) if "response_range" in item else item)
     return TxnResult(revision=revision_of(answer), succeeded=bool(answer.get("succeeded")),
-                     responses=tuple(out))
+                     responses=tuple(out), raft_term=term_of(answer))
 
 
 def decode_watch(message: Any) -> WatchBatch:

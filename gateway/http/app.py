@@ -270,7 +270,8 @@ def _route_through(app: web.Application, config: Config, registry: Registry,
 
     node.publisher.describe = describe
     prefix = config.cluster.key_prefix  # which sandboxes' records etcd has held (publisher)
-    node.publisher.landed = partial(registry.mark_published, key_prefix=prefix)
+    node.publisher.landed = lambda sandbox_id, mark: registry.mark_published(
+        sandbox_id, prefix, mark.epoch, mark.revision, mark.term)
     node.publisher.was_published = partial(registry.was_published, key_prefix=prefix)
     node.publish_local(lambda: [(r.id, r.state) for r in registry.list()])
     if node.shipper is not None:  # [cluster] objstore_endpoint: ship suspended snapshots

@@ -62,7 +62,8 @@ CREATE TABLE IF NOT EXISTS templates (
 CREATE INDEX IF NOT EXISTS templates_tenant ON templates(tenant, name);
 CREATE TABLE IF NOT EXISTS published (
   sandbox_id TEXT NOT NULL, key_prefix TEXT NOT NULL, at REAL NOT NULL,
-  PRIMARY KEY (sandbox_id, key_prefix));
+  epoch TEXT NOT NULL DEFAULT '', revision INTEGER NOT NULL DEFAULT 0,
+  term INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (sandbox_id, key_prefix));
 CREATE TABLE IF NOT EXISTS daemon_runs (
   id INTEGER PRIMARY KEY AUTOINCREMENT, started_at REAL NOT NULL, heartbeat REAL NOT NULL);
 """
@@ -159,6 +160,12 @@ class Registry:
             if col not in cols:
                 self._db.execute(f"ALTER TABLE sandboxes ADD COLUMN {col} INTEGER NOT NULL "
                                  "DEFAULT 0")
+        cols = {r["name"] for r in self._db.execute("PRAGMA table_info(published)")}
+        for name, decl in (("epoch", "TEXT NOT NULL DEFAULT ''"),  # '': marked before epochs
+                           ("revision", "INTEGER NOT NULL DEFAULT 0"),
+                           ("term", "INTEGER NOT NULL DEFAULT 0")):
+            if name not in cols:
+                self._db.execute(f"ALTER TABLE published ADD COLUMN {name} {decl}")
 
     def close(self) -> None:
         self._db.close()
@@ -303,18 +310,24 @@ class Registry:
 
     # -- the fleet: which sandboxes' records etcd has held naming this host -----------
 
-    def mark_published(self, sandbox_id: str, key_prefix: str) -> None:
-        """etcd (under ``key_prefix``) has held this sandbox's record naming this host
-        (gateway.cluster.publisher): from then on, its record's absence means its new
-        owner deleted it after a move, and the local copy is destroyed, not republished."""
-        self._db.execute("INSERT OR IGNORE INTO published (sandbox_id, key_prefix, at) "
-                         "VALUES (?, ?, ?)", (sandbox_id, key_prefix, time.time()))
+    def mark_published(self, sandbox_id: str, key_prefix: str, epoch: str = "",
+                       revision: int = 0, term: int = 0) -> None:
+        """etcd (under ``key_prefix``, in fleet ``epoch``) has held this sandbox's record
+        naming this host, at ``revision`` and raft ``term`` (gateway.cluster.publisher):
+        from then on, its record's absence in that epoch (etcd not older) means its new
+        owner deleted it after a move, and the local copy is destroyed, not republished.
+        A later mark replaces it."""
+        self._db.execute("INSERT OR REPLACE INTO published (sandbox_id, key_prefix, at, epoch, "
+                         "revision, term) VALUES (?, ?, ?, ?, ?, ?)",
+                         (sandbox_id, key_prefix, time.time(), epoch, revision, term))
 
-    def was_published(self, sandbox_id: str, key_prefix: str) -> bool:
-        """Has ``mark_published`` been called for it under this prefix (a fleet with another
-        prefix is another fleet: its sandboxes are published there as new)?"""
-        return self._db.execute("SELECT 1 FROM published WHERE sandbox_id = ? AND "
-                                "key_prefix = ?", (sandbox_id, key_prefix)).fetchone() is not None
+    def was_published(self, sandbox_id: str, key_prefix: str) -> tuple[str, int, int] | None:
+        """The (epoch, revision, raft term) of its mark under this prefix, or None (a fleet
+        with another prefix is another fleet: its sandboxes are published there as new)."""
+        row = self._db.execute("SELECT epoch, revision, term FROM published WHERE "
+                               "sandbox_id = ? AND key_prefix = ?",
+                               (sandbox_id, key_prefix)).fetchone()
+        return None if row is None else (row["epoch"], row["revision"], row["term"])
 
     # -- daemon runs: when a daemon was up (gateway.tenancy.usage closes a crash's intervals) --
 

@@ -89,7 +89,8 @@ async def test_records_naming_this_host_are_remembered_as_published() -> None:
     table.update({"mine": SandboxRecord("mine", "h1", State.RUNNING),
                   "other": SandboxRecord("other", "h2", State.RUNNING)})
     node._routes_changed(None)  # the route cache's first listing, before the app wires it
-    node.publisher.landed = marked.append
+    node.publisher.landed = lambda sandbox_id, mark: marked.append(sandbox_id)
+    node.publisher.epoch = "e1"  # learnt from etcd before its first write
     node.publisher.sync = lambda items: None
     node.publish_local(lambda: [("mine", State.RUNNING), ("other", State.RUNNING)])
     assert marked == ["mine"]

@@ -162,3 +162,45 @@ async def test_a_resent_plan_that_loses_a_guard_reports_the_guard() -> None:
                    "create_revision": "3"},)
     with pytest.raises(OwnershipConflict, match="guard failed"):
         await Ownership(Deposed(None), KEYS).move(CUR, "host-b", State.RESTORING, plan_guard)
+
+
+class _EpochEtcd:
+    """Just enough etcd for the fleet epoch: one key, compare on create/value, a term."""
+
+    def __init__(self, value: bytes | None) -> None:
+        self.value, self.rev, self.txns = value, 10, []
+
+    async def txn(self, compares, success, failure):
+        self.txns.append(compares)
+        if not compares:  # look: two gets
+            out = tuple(_range(self.value and wire.KeyValue(KEYS.epoch.encode(), self.value,
+                                                            3, 3, 1, 0)
+                               if op["request_range"]["key"] == wire.b64(KEYS.epoch) else None)
+                        for op in success)
+            return wire.TxnResult(self.rev, True, out, raft_term=4)
+        (guard,) = compares
+        ok = self.value is None if guard["target"] == "CREATE" else \
+            self.value is not None and wire.b64(self.value) == guard["value"]
+        if ok:
+            self.rev += 1
+            self.value = wire.unb64(success[0]["request_put"]["value"])
+            return wire.TxnResult(self.rev, True, ({},), raft_term=4)
+        kv = None if self.value is None else wire.KeyValue(KEYS.epoch.encode(), self.value,
+                                                           3, 3, 1, 0)
+        return wire.TxnResult(self.rev, False, (_range(kv),), raft_term=4)
+
+
+async def test_the_fleet_epoch_is_written_once_renewed_by_cas_and_read_with_a_record() -> None:
+    etcd = _EpochEtcd(None)
+    own = Ownership(etcd, KEYS)  # type: ignore[arg-type]
+    first, rev, term = await own.epoch()  # none yet: written
+    assert etcd.value == first.encode() and (rev, term) == (11, 4) and len(first) == 32
+    assert (await own.epoch())[0] == first  # there: read, not rewritten
+    renewed = (await own.epoch(replace=first))[0]
+    assert renewed != first and etcd.value == renewed.encode()
+    assert (await own.epoch(replace=first))[0] == renewed  # someone renewed it already
+    look = await own.look("sbx1")
+    assert (look.revision, look.current, look.epoch, look.term) == (etcd.rev, None, renewed, 4)
+    etcd.value = None  # wiped
+    assert (await own.look("sbx1")).epoch is None
+    assert (await own.epoch(replace=renewed))[0] not in (None, renewed)  # gone: a first one

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from gateway.cluster.errors import EtcdUnavailable, OwnershipConflict
-from gateway.cluster.ownership import Versioned
-from gateway.cluster.publisher import Publisher, Step, plan
+from gateway.cluster.ownership import Look, Versioned
+from gateway.cluster.publisher import Mark, Publisher, Seen, Step, plan
 from gateway.cluster.records import SandboxRecord
 from gateway.sandbox.states import State
 from gateway.store.registry import Registry
@@ -43,6 +43,18 @@ class FakeOwnership:
 
     async def get(self, sandbox_id: str) -> Versioned | None:
         return self.store.get(sandbox_id)
+
+    epoch_value: str | None = "epoch-1"
+    term = 5  # etcd's raft term
+
+    async def epoch(self, replace: str | None = None) -> tuple[str, int, int]:
+        if self.epoch_value is None or (replace is not None and self.epoch_value == replace):
+            self.rev += 1
+            self.epoch_value = f"epoch-r{self.rev}"
+        return self.epoch_value, self.rev, self.term
+
+    async def look(self, sandbox_id: str) -> Look:
+        return Look(self.rev, self.store.get(sandbox_id), self.epoch_value, self.term)
 
     async def create(self, record: SandboxRecord, lease: int) -> Versioned:
         await self._gate("create", record.id, record.state)
@@ -193,30 +205,45 @@ async def test_a_created_record_names_whose_it_is_and_its_shape() -> None:
 _ME, _OTHER = "host-a", "host-b"
 
 
-@pytest.mark.parametrize(("state", "current", "published", "step"), [
+_M = Mark("e1", 40)  # seen published in epoch e1 at revision 40
+_NEWER = Seen("e1", 90, 60)  # absent, same epoch, etcd past all we saw: a delete after a move
+
+
+@pytest.mark.parametrize(("state", "current", "mark", "seen", "step"), [
     # never published, no record: created (made during an etcd outage, or just now)
-    (State.RUNNING, None, False, Step.CREATE),
-    (State.SUSPENDED, None, False, Step.CREATE),
-    # published before, record absent: its new owner deleted it after a move: destroy ours
-    (State.RUNNING, None, True, Step.DISCARD),
-    (State.SUSPENDED, None, True, Step.DISCARD),
-    (State.FAILED, None, True, Step.DISCARD),
+    (State.RUNNING, None, None, None, Step.CREATE),
+    (State.SUSPENDED, None, None, _NEWER, Step.CREATE),
+    # published before, record absent, same epoch, newer revision: its new owner deleted
+    # it after a move: destroy ours
+    (State.RUNNING, None, _M, _NEWER, Step.DISCARD),
+    (State.SUSPENDED, None, _M, Seen("e1", 40, 0), Step.DISCARD),
+    (State.FAILED, None, _M, _NEWER, Step.DISCARD),
+    # published, absent, but etcd not looked at yet: never a discard
+    (State.RUNNING, None, _M, None, Step.REPUBLISH),
+    # etcd went back: wiped (no epoch), replaced (another epoch), restored from a backup
+    # (same epoch, revision below the mark's or below the highest this host saw)
+    (State.RUNNING, None, _M, Seen(None, 3, 0), Step.REPUBLISH),
+    (State.RUNNING, None, _M, Seen("e2", 900, 0), Step.REPUBLISH),
+    (State.SUSPENDED, None, _M, Seen("e1", 39, 0), Step.REPUBLISH),
+    (State.RUNNING, None, _M, Seen("e1", 50, 60), Step.REPUBLISH),
+    # a mark made before fleet epochs: republished, never destroyed
+    (State.RUNNING, None, Mark("", 0), Seen("e1", 90, 0), Step.REPUBLISH),
     # destroyed here: nothing to delete / our record deleted, published or not
-    (State.DESTROYED, None, True, Step.NOTHING),
-    (State.DESTROYED, None, False, Step.NOTHING),
-    (State.DESTROYED, SandboxRecord("s", _ME, State.RUNNING, 1), True, Step.DELETE),
+    (State.DESTROYED, None, _M, _NEWER, Step.NOTHING),
+    (State.DESTROYED, None, None, None, Step.NOTHING),
+    (State.DESTROYED, SandboxRecord("s", _ME, State.RUNNING, 1), _M, None, Step.DELETE),
     # another host holds it (moved away, gen went up): never written, whatever we know
-    (State.RUNNING, SandboxRecord("s", _OTHER, State.SUSPENDED, 2), True, Step.LEAVE),
-    (State.RUNNING, SandboxRecord("s", _OTHER, State.SUSPENDED, 2), False, Step.LEAVE),
-    (State.DESTROYED, SandboxRecord("s", _OTHER, State.RUNNING, 2), True, Step.LEAVE),
+    (State.RUNNING, SandboxRecord("s", _OTHER, State.SUSPENDED, 2), _M, None, Step.LEAVE),
+    (State.RUNNING, SandboxRecord("s", _OTHER, State.SUSPENDED, 2), None, None, Step.LEAVE),
+    (State.DESTROYED, SandboxRecord("s", _OTHER, State.RUNNING, 2), _M, None, Step.LEAVE),
     # ours
-    (State.RUNNING, SandboxRecord("s", _ME, State.RUNNING, 1), True, Step.CONFIRM),
-    (State.RUNNING, SandboxRecord("s", _ME, State.RUNNING, 1), False, Step.CONFIRM),
-    (State.SUSPENDED, SandboxRecord("s", _ME, State.RUNNING, 1), True, Step.UPDATE),
+    (State.RUNNING, SandboxRecord("s", _ME, State.RUNNING, 1), _M, None, Step.CONFIRM),
+    (State.RUNNING, SandboxRecord("s", _ME, State.RUNNING, 1), None, None, Step.CONFIRM),
+    (State.SUSPENDED, SandboxRecord("s", _ME, State.RUNNING, 1), _M, None, Step.UPDATE),
 ], ids=lambda v: getattr(v, "value", None) or getattr(v, "host", None) or str(v))
-def test_sync_decision(state: State, current: SandboxRecord | None, published: bool,
-                       step: Step) -> None:
-    assert plan(_ME, state, current, published) is step
+def test_sync_decision(state: State, current: SandboxRecord | None, mark: Mark | None,
+                       seen: Seen | None, step: Step) -> None:
+    assert plan(_ME, state, current, mark, seen) is step
 
 
 async def test_a_published_sandbox_whose_record_is_gone_is_discarded_never_republished(
@@ -229,7 +256,8 @@ async def test_a_published_sandbox_whose_record_is_gone_is_discarded_never_repub
 
     def publisher() -> Publisher:
         pub = Publisher(fake, _ME, lambda: 7, backoff=0.01)  # type: ignore[arg-type]
-        pub.landed = lambda sid: registry.mark_published(sid, "/agentbox")
+        pub.landed = lambda sid, mark: registry.mark_published(sid, "/agentbox", mark.epoch,
+                                                                mark.revision)
         pub.was_published = lambda sid: registry.was_published(sid, "/agentbox")
         pub.discard = gone.append
         return pub
@@ -283,6 +311,118 @@ def test_the_published_table_is_added_to_an_older_data_dir(tmp_path: Path) -> No
         assert not registry.was_published("s1", "/agentbox")  # older data: never marked
         registry.mark_published("s1", "/agentbox")
         registry.mark_published("s1", "/agentbox")  # idempotent
-        assert registry.was_published("s1", "/agentbox")
+        assert registry.was_published("s1", "/agentbox") == ("", 0, 0)  # before epochs
+        registry.mark_published("s1", "/agentbox", "e1", 41, 3)  # a later mark replaces it
+        assert registry.was_published("s1", "/agentbox") == ("e1", 41, 3)
     finally:
+        registry.close()
+
+
+def test_the_published_table_gains_epoch_and_revision(tmp_path: Path) -> None:
+    db = tmp_path / "r.db"
+    Registry(db).close()
+    conn = sqlite3.connect(db)  # the table as the previous daemon made it
+    conn.executescript("DROP TABLE published; CREATE TABLE published (sandbox_id TEXT NOT NULL, "
+                       "key_prefix TEXT NOT NULL, at REAL NOT NULL, "
+                       "PRIMARY KEY (sandbox_id, key_prefix)); "
+                       "INSERT INTO published VALUES ('old', '/agentbox', 1.0);")
+    conn.close()
+    registry = Registry(db)
+    try:
+        assert registry.was_published("old", "/agentbox") == ("", 0, 0)  # republished
+        registry.mark_published("old", "/agentbox", "e1", 7, 2)
+        assert registry.was_published("old", "/agentbox") == ("e1", 7, 2)
+    finally:
+        registry.close()
+
+
+async def _publish(pub: Publisher, *items: tuple[str, State]) -> None:
+    pub.sync(items)
+    await settle(pub)
+
+
+def _marking(registry: Registry, pub: Publisher) -> None:
+    pub.landed = lambda sid, mark: registry.mark_published(sid, "/agentbox", mark.epoch,
+                                                           mark.revision, mark.term)
+    pub.was_published = lambda sid: registry.was_published(sid, "/agentbox")
+
+
+@pytest.mark.parametrize("how", ["wiped", "restored", "restored-bumped", "restored-young"])
+async def test_an_etcd_that_went_back_never_discards_it_republishes_and_says_so_once(
+        tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Wiped (no epoch, revisions from 1) or restored from an older backup (same epoch,
+    older revision): every published sandbox whose record is missing is created again,
+    none is destroyed, one error is logged; the epoch is renewed, so a later delete after
+    a move (in the new epoch) still discards."""
+    registry = Registry(tmp_path / "r.db")
+    fake = FakeOwnership()
+    gone: list[str] = []
+    pub = Publisher(fake, _ME, lambda: 7, backoff=0.01)  # type: ignore[arg-type]
+    _marking(registry, pub)
+    pub.discard = gone.append
+    pub.relist = lambda: [("a", State.SUSPENDED), ("b", State.SUSPENDED), ("c", State.RUNNING)]
+    pub.start()
+    try:
+        await _publish(pub, ("a", State.RUNNING), ("b", State.SUSPENDED))
+        backup = (dict(fake.store), fake.rev)
+        await _publish(pub, ("c", State.RUNNING), ("a", State.SUSPENDED))  # after the backup
+        assert registry.was_published("c", "/agentbox") == ("epoch-1", 3, 5)
+        fake.term = 2  # a new raft log (wiped or restored)
+        if how == "wiped":
+            fake.store.clear()
+            fake.rev, fake.epoch_value = 0, None
+        else:
+            fake.store, fake.rev = dict(backup[0]), backup[1]
+        if how == "restored-bumped":  # etcdutl snapshot restore --bump-revision
+            fake.rev += 1_000_000
+        if how == "restored-young":  # a cluster restored at the same raft term: revisions
+            fake.term = 5            # tell (as long as it has not grown past ours since)
+        else:
+            for _ in range(50):  # many writes after: revisions grow past ours
+                fake._put(SandboxRecord("other", _OTHER, State.RUNNING))
+        await _publish(pub, ("a", State.SUSPENDED), ("b", State.SUSPENDED),
+                       ("c", State.RUNNING))
+        assert gone == [] and pub.discarded == []
+        assert {"a", "b", "c"} <= set(fake.store)
+        assert fake.store["a"].record.state is State.SUSPENDED
+        assert pub.epoch == fake.epoch_value != "epoch-1"
+        assert {registry.was_published(s, "/agentbox")[0] for s in "abc"} == {pub.epoch}
+        errors = [r for r in caplog.records if r.levelname == "ERROR"]
+        assert len(errors) == 1 and "etcd lost data" in errors[0].getMessage()
+        # In the new epoch, a sandbox moved away and deleted there is discarded again.
+        del fake.store["c"]
+        fake._put(SandboxRecord("other", _OTHER, State.SUSPENDED))
+        await _publish(pub, ("c", State.RUNNING))
+        assert gone == ["c"] and "c" not in fake.store
+    finally:
+        await pub.aclose()
+        registry.close()
+
+
+async def test_a_host_restarted_after_a_restore_republishes(tmp_path: Path) -> None:
+    """A new Publisher on the same registry (the daemon was down during the restore): its
+    marks' epoch matches, but etcd's revision is older than the mark's: republished."""
+    registry = Registry(tmp_path / "r.db")
+    fake = FakeOwnership()
+    gone: list[str] = []
+    pub = Publisher(fake, _ME, lambda: 7, backoff=0.01)  # type: ignore[arg-type]
+    _marking(registry, pub)
+    pub.start()
+    try:
+        await _publish(pub, ("a", State.RUNNING))
+        backup = (dict(fake.store), fake.rev)
+        await _publish(pub, ("z", State.RUNNING))
+    finally:
+        await pub.aclose()
+    fake.store, fake.rev = backup
+    pub = Publisher(fake, _ME, lambda: 7, backoff=0.01)  # type: ignore[arg-type]
+    _marking(registry, pub)
+    pub.discard = gone.append
+    pub.start()
+    try:
+        await _publish(pub, ("a", State.RUNNING), ("z", State.RUNNING))
+        assert gone == [] and sorted(fake.store) == ["a", "z"] and pub.republished == ["z"]
+        assert fake.epoch_value != "epoch-1"  # renewed: other hosts' marks stop counting
+    finally:
+        await pub.aclose()
         registry.close()
