@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -31,7 +31,7 @@ from gateway.cluster.errors import ClusterError, EtcdUncertain, ProtocolError
 from gateway.cluster.etcd import EtcdClient
 from gateway.cluster.keys import Keys
 from gateway.cluster.records import SessionRecord
-from gateway.cluster.session_takeover import decide_takeover, row_of, taken
+from gateway.cluster.session_takeover import decide_takeover, row_of, sweep, taken
 from gateway.errors import OwnerUnavailable, Unavailable
 
 log = logging.getLogger(__name__)
@@ -43,8 +43,16 @@ def _unavailable(name: str, exc: Exception) -> Unavailable:
 
 
 class SessionNames:
-    def __init__(self, client: EtcdClient, keys: Keys, host: str) -> None:
+    def __init__(self, client: EtcdClient, keys: Keys, host: str,
+                 cached: Callable[[], Iterable[SessionRecord]] = tuple) -> None:
         self.client, self.keys, self.host = client, keys, host
+        self.cached = cached  # the route cache's session records (the periodic pass)
+
+    def sweep(self, rows: Mapping[str, tuple[str, str | None]],
+              tenant_of: Callable[[str], str | None]) -> tuple[list[str], list[str]]:
+        """(names to take over, names whose row here is stale): session_takeover.sweep
+        over the cached records."""
+        return sweep(list(self.cached()), rows, tenant_of, self.host)
 
     async def reserve(self, name: str, tenant: str) -> tuple[str, str] | None:
         """Hold ``name`` for ``tenant`` on this host. None: held here (now or before);

@@ -18,10 +18,16 @@ reads the record and decides here:
   owner): 503 ``owner_unavailable`` with Retry-After, never ``session_not_found``.
 - ``absent``: nothing to take (no record, another tenant's, or the record is this host's:
   the row was deleted here): ``session_not_found``, as on one host.
+
+Besides the first request, a periodic pass (``sweep``, every few seconds, over the route
+cache's session records) takes over sessions whose sandbox arrived here, and drops the rows
+of sessions another host took over with their sandbox (the drained host's, which stays
+up); a host coming back drops its stale rows at start-up (SessionNames.publish).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from typing import Literal
 
 from gateway.cluster.records import SessionRecord
@@ -55,3 +61,24 @@ def row_of(record: SessionRecord, now: float) -> dict[str, object]:
     return {"name": record.name, "tenant": record.tenant, "sandbox_id": record.sandbox_id,
             "port": record.port, "start": record.start, "start_state": record.start_state,
             "start_pid": record.start_pid, "created_at": now, "updated_at": now}
+
+
+def sweep(records: Iterable[SessionRecord], rows: Mapping[str, tuple[str, str | None]],
+          tenant_of: Callable[[str], str | None], self_host: str
+          ) -> tuple[list[str], list[str]]:
+    """The periodic pass (without waiting for a request): (names to take over: their
+    sandbox arrived here, no row here; names whose row here is stale: another host holds
+    the session and its sandbox, which left this host). ``records``: the fleet's session
+    records (the route cache's), ``rows``: this host's rows, name -> (tenant, sandbox)."""
+    take, drop = [], []
+    for record in records:
+        if record.host == self_host or not record.sandbox_id:
+            continue
+        row = rows.get(record.name)
+        here = tenant_of(record.sandbox_id)
+        if row is None:
+            if decide_takeover(record, None, here, self_host) == "take":
+                take.append(record.name)
+        elif row == (record.tenant, record.sandbox_id) and here is None:
+            drop.append(record.name)
+    return take, drop

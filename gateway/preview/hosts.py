@@ -329,6 +329,8 @@ async def _proxy_lifecycle(app: web.Application) -> AsyncIterator[None]:
     app[ACCESS_KEY] = AccessStore(registry)
     app[sessions.SESSIONS_KEY] = session_service = sessions.SessionService(service, registry)
     session_service.fleet = app.get(sessions.FLEET_NAMES_KEY)  # type: ignore[assignment]
+    if session_service.fleet is not None:  # sessions follow their sandboxes
+        service.spawn(session_service.follow(), "sessions-follow")
     try:
         yield
     finally:

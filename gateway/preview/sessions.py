@@ -35,7 +35,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -91,6 +91,9 @@ class FleetNames(Protocol):
     async def take_over(self, name: str, tenant: str | None,
                         tenant_of: Callable[[str], str | None], *,
                         wait: bool = True) -> dict[str, Any] | None: ...
+
+    def sweep(self, rows: Mapping[str, tuple[str, str | None]],
+              tenant_of: Callable[[str], str | None]) -> tuple[list[str], list[str]]: ...
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,30 @@ class SessionService:
             return False
         self.registry.insert_session(row)  # False: made here meanwhile (that row stands)
         return True
+
+    async def follow(self, every: float = 2.0) -> None:
+        """[cluster] on: every ``every`` s, take over the sessions whose sandbox arrived
+        here (adopted, migrated, handed over) and drop the rows of sessions another host
+        took over with their sandbox, without waiting for a request."""
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await self.follow_once()
+            except Exception as exc:  # etcd away: the next pass (or a request) retries
+                log.warning("sessions: following moved sandboxes failed: %s", exc)
+
+    async def follow_once(self) -> None:
+        assert self.fleet is not None
+        rows = {r["name"]: (r["tenant"], r["sandbox_id"])
+                for r in self.registry.list_sessions(None)}
+        take, drop = self.fleet.sweep(rows, self._tenant_of)
+        for name in take:
+            await self._take_over(name, None, wait=False)
+        for name in drop:
+            if name not in self._pending:
+                log.info("session %s: held by another host with its sandbox: row dropped",
+                         name)
+                self.registry.delete_session(name)
 
     def _tenant_of(self, sandbox_id: str) -> str | None:
         rec = self.registry.get(sandbox_id)

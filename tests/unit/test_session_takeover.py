@@ -176,3 +176,45 @@ async def test_a_put_on_the_new_owner_takes_the_session_over(tmp_path: Any) -> N
     assert not created and got.sandbox_id == session.sandbox_id
     await b.delete("key1", "app")  # the new holder can free the name
     assert await etcd.get(KEYS.session("app")) is None
+
+
+# -- the periodic pass ---------------------------------------------------------------------
+
+def test_the_sweep_takes_arrived_sessions_and_drops_stale_rows() -> None:
+    records = [MOVED,                                               # its sandbox is here
+               SessionRecord("away", "key1", "host-a", "sbx2"),     # not arrived: wait
+               SessionRecord("left", "key1", "host-c", "sbx3"),     # left here, taken by c
+               SessionRecord("mine", "key1", "host-b", "sbx4"),     # ours
+               SessionRecord("alike", "key1", "host-c", "sbx5"),    # another sandbox
+               SessionRecord("other", "key2", "host-a", "sbx6")]    # sandbox not theirs
+    rows = {"left": ("key1", "sbx3"), "mine": ("key1", "sbx4"), "alike": ("key1", "sbx9")}
+    here = {"sbx1": "key1", "sbx4": "key1", "sbx6": "key1"}
+    assert decide_takeover(records[-1], None, "key1", "host-b") == "absent"
+    take, drop = SessionNames(FakeEtcd(), KEYS, "host-b",  # type: ignore[arg-type]
+                              lambda: records).sweep(rows, here.get)
+    assert (take, drop) == (["app"], ["left"])
+    here["sbx3"] = "key1"  # the sandbox has not left yet: the row stays
+    assert SessionNames(FakeEtcd(), KEYS, "host-b",  # type: ignore[arg-type]
+                        lambda: records).sweep(rows, here.get)[1] == []
+
+
+async def test_follow_once_takes_over_and_drops_without_a_request(tmp_path: Any) -> None:
+    etcd = FakeEtcd()
+    cache: list[SessionRecord] = []
+    a = _service(tmp_path, SessionNames(etcd, KEYS, "host-a",  # type: ignore[arg-type]
+                                        lambda: cache), [])
+    session, _ = await a.ensure("key1", "app", sessions.SessionSpec(port=9000))
+    moved: list[str] = []
+    b = _service(tmp_path, SessionNames(etcd, KEYS, "host-b",  # type: ignore[arg-type]
+                                        lambda: cache), moved)
+    cache[:] = [await _held(etcd)]
+    await b.follow_once()
+    assert b.registry.get_session("app") is None  # not arrived yet
+    moved.append(session.sandbox_id)
+    a.service.made.remove(session.sandbox_id)  # type: ignore[attr-defined]
+    await b.follow_once()
+    assert b.registry.get_session("app")["port"] == 9000  # type: ignore[index]
+    cache[:] = [await _held(etcd)]
+    assert cache[0].host == "host-b"
+    await a.follow_once()
+    assert a.registry.get_session("app") is None and (await _held(etcd)).host == "host-b"
