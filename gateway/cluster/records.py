@@ -118,16 +118,26 @@ class SandboxRecord:
         return _decode(cls, raw)
 
 
+START_STATES = frozenset({"none", "starting", "started", "failed"})
+MAX_START_CHARS = 8192
+
+
 @dataclass(frozen=True)
 class SessionRecord:
     """Who holds a session name in the fleet (``{prefix}/sessions/{name}``): the tenant, the
     host that reserved it (its registry holds the session's row) and the session's sandbox
-    ("" while it is being made, or before the host bound it)."""
+    ("" while it is being made, or before the host bound it). ``port``, ``start`` and the
+    start's recorded state are what a host the sandbox moves to needs to take the session
+    over (gateway.cluster.session_takeover): the row it inserts is made from them."""
 
     name: str
     tenant: str
     host: str
     sandbox_id: str = ""
+    port: int = 8000
+    start: str | None = None
+    start_state: str = "none"
+    start_pid: int | None = None
 
     def __post_init__(self) -> None:
         check_host_name(self.name)
@@ -138,6 +148,16 @@ class SessionRecord:
             raise ValueError("sandbox_id must be a string")
         if self.sandbox_id:
             check_sandbox_id(self.sandbox_id)
+        if type(self.port) is not int or not 0 < self.port < 65536:
+            raise ValueError("port must be an integer in 1-65535")
+        if self.start is not None and (not isinstance(self.start, str)
+                                       or len(self.start) > MAX_START_CHARS):
+            raise ValueError(f"start must be a string of at most {MAX_START_CHARS} characters")
+        if self.start_state not in START_STATES:
+            raise ValueError(f"start_state must be one of {sorted(START_STATES)}")
+        if self.start_pid is not None and (type(self.start_pid) is not int
+                                           or self.start_pid < 0):
+            raise ValueError("start_pid must be a non-negative integer")
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()

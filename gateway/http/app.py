@@ -362,9 +362,10 @@ async def _share_session_names(app: web.Application, registry: Registry,
     from gateway.cluster.session_names import SessionNames
     from gateway.preview.sessions import FLEET_NAMES_KEY
 
-    names = SessionNames(node.client, node.keys, node.config.host)
-    await names.publish((row["name"], row["tenant"], row["sandbox_id"] or "")
-                        for row in registry.list_sessions(None))
+    names = SessionNames(node.client, node.keys, node.config.host,
+                         lambda: node.routes.table.sessions.values())
+    for stale in await names.publish(registry.list_sessions(None)):
+        registry.delete_session(stale)  # another host took it over with its sandbox
     app[FLEET_NAMES_KEY] = names
 
 

@@ -108,7 +108,8 @@ async def cluster_middleware(request: web.Request, handler: Handler) -> web.Stre
                 request, decision.host, decision.address,
                 live=lambda host=decision.host: node.routes.host_live(host))
         if isinstance(decision, routing.Refuse):
-            raise _REFUSALS[decision.code](decision.message)
+            raise _REFUSALS[decision.code](  # all of them pass: a retry may be served
+                decision.message, headers={"Retry-After": "1"})
     except ApiError as exc:
         if not on_host:
             raise

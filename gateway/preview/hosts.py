@@ -151,7 +151,7 @@ async def handle_host(request: web.Request) -> web.StreamResponse:
 async def _serve_host(request: web.Request, found: PreviewHost | SessionHost) -> web.StreamResponse:
     cfg = request.config_dict
     if isinstance(found, SessionHost):
-        session = cfg[sessions.SESSIONS_KEY].by_name(found.name)
+        session = await cfg[sessions.SESSIONS_KEY].find(None, found.name)
         if not session.sandbox_id:
             raise NotFound(f"session {found.name!r} has no sandbox yet", code="session_not_ready")
         sandbox_id, port = session.sandbox_id, session.port
@@ -329,6 +329,8 @@ async def _proxy_lifecycle(app: web.Application) -> AsyncIterator[None]:
     app[ACCESS_KEY] = AccessStore(registry)
     app[sessions.SESSIONS_KEY] = session_service = sessions.SessionService(service, registry)
     session_service.fleet = app.get(sessions.FLEET_NAMES_KEY)  # type: ignore[assignment]
+    if session_service.fleet is not None:  # sessions follow their sandboxes
+        service.spawn(session_service.follow(), "sessions-follow")
     try:
         yield
     finally:

@@ -35,6 +35,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -83,9 +84,16 @@ class FleetNames(Protocol):
 
     async def reserve(self, name: str, tenant: str) -> tuple[str, str] | None: ...
 
-    async def bind(self, name: str, sandbox_id: str) -> None: ...
+    async def bind(self, name: str, sandbox_id: str, **fields: Any) -> None: ...
 
     async def release(self, name: str, tenant: str) -> None: ...
+
+    async def take_over(self, name: str, tenant: str | None,
+                        tenant_of: Callable[[str], str | None], *,
+                        wait: bool = True) -> dict[str, Any] | None: ...
+
+    def sweep(self, rows: Mapping[str, tuple[str, str | None]],
+              tenant_of: Callable[[str], str | None]) -> tuple[list[str], list[str]]: ...
 
 
 @dataclass(frozen=True)
@@ -152,6 +160,50 @@ class SessionService:
             raise SessionNotFound(name)
         return session
 
+    async def find(self, tenant: str | None, name: str) -> Session:
+        """``tenant``'s session (None: any tenant's), taken over from the fleet if its
+        sandbox moved here from the host that holds its row (docs/cluster.md, "A session
+        follows its sandbox"); a 503 while that sandbox is still arriving."""
+        if self.registry.get_session(name) is None and self.fleet is not None:
+            await self._take_over(name, tenant, wait=True)
+        return self.by_name(name) if tenant is None else self.get(tenant, name)
+
+    async def _take_over(self, name: str, tenant: str | None, *, wait: bool) -> bool:
+        row = await self.fleet.take_over(name, tenant, self._tenant_of,  # type: ignore[union-attr]
+                                         wait=wait)
+        if row is None:
+            return False
+        self.registry.insert_session(row)  # False: made here meanwhile (that row stands)
+        return True
+
+    async def follow(self, every: float = 2.0) -> None:
+        """[cluster] on: every ``every`` s, take over the sessions whose sandbox arrived
+        here (adopted, migrated, handed over) and drop the rows of sessions another host
+        took over with their sandbox, without waiting for a request."""
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await self.follow_once()
+            except Exception as exc:  # etcd away: the next pass (or a request) retries
+                log.warning("sessions: following moved sandboxes failed: %s", exc)
+
+    async def follow_once(self) -> None:
+        assert self.fleet is not None
+        rows = {r["name"]: (r["tenant"], r["sandbox_id"])
+                for r in self.registry.list_sessions(None)}
+        take, drop = self.fleet.sweep(rows, self._tenant_of)
+        for name in take:
+            await self._take_over(name, None, wait=False)
+        for name in drop:
+            if name not in self._pending:
+                log.info("session %s: held by another host with its sandbox: row dropped",
+                         name)
+                self.registry.delete_session(name)
+
+    def _tenant_of(self, sandbox_id: str) -> str | None:
+        rec = self.registry.get(sandbox_id)
+        return rec.tenant if rec is not None and rec.state is not State.DESTROYED else None
+
     def list(self, tenant: str) -> list[Session]:
         return [Session(**row) for row in self.registry.list_sessions(tenant)]
 
@@ -175,6 +227,8 @@ class SessionService:
                 return self.get(tenant, name), False
             if row is None and not reserved:
                 assert self.fleet is not None
+                if await self._take_over(name, tenant, wait=False):
+                    continue  # its sandbox moved here: the session is this host's now
                 holder = await self.fleet.reserve(name, tenant)  # before the INSERT
                 if holder is not None:
                     if holder[0] != tenant:
@@ -213,24 +267,35 @@ class SessionService:
             raise
         self.registry.update_session(name, sandbox_id=rec.id)
         if self.fleet is not None:
-            await self.fleet.bind(name, rec.id)
+            await self.fleet.bind(name, rec.id, port=spec.port, start=spec.start,
+                                  start_state="none", start_pid=None)
         if spec.start:
             await self._start(tenant, name, rec.id, spec.start)
 
     async def _start(self, tenant: str, name: str, sandbox_id: str, command: str) -> None:
-        self.registry.update_session(name, start_state="starting")
+        await self._start_state(name, sandbox_id, start_state="starting")
         try:
             async with self.service.use(tenant, sandbox_id) as machine:
                 started = await guest.start_command(
                     machine, CommandRequest(command=command, background=True))
         except Exception as exc:
             log.warning("session %s: start command failed: %s", name, exc)
-            self.registry.update_session(name, start_state="failed", start_error=str(exc))
+            await self._start_state(name, sandbox_id, start_state="failed",
+                                    start_error=str(exc))
         else:
-            self.registry.update_session(name, start_state="started", start_pid=started.pid)
+            await self._start_state(name, sandbox_id, start_state="started",
+                                    start_pid=started.pid)
+
+    async def _start_state(self, name: str, sandbox_id: str, **state: Any) -> None:
+        """The start's state in the row and (a takeover reads it there) the fleet record:
+        recorded ``starting`` before the command is sent, so it is never sent twice."""
+        self.registry.update_session(name, **state)
+        if self.fleet is not None:
+            await self.fleet.bind(name, sandbox_id, start_state=state["start_state"],
+                                  start_pid=state.get("start_pid"))
 
     async def delete(self, tenant: str, name: str) -> None:
-        session = self.get(tenant, name)
+        session = await self.find(tenant, name)
         pending = self._pending.get(name)
         if pending is not None:
             with contextlib.suppress(Exception):
@@ -293,7 +358,8 @@ async def list_sessions(request: web.Request) -> web.Response:
 
 @routes.get("/v1/sessions/{name}")
 async def get_session(request: web.Request) -> web.Response:
-    session = _sessions(request).get(current_key(request).id, request.match_info["name"])
+    session = await _sessions(request).find(current_key(request).id,
+                                            request.match_info["name"])
     return json_response(session_view(request, session))
 
 
@@ -308,7 +374,7 @@ async def delete_session(request: web.Request) -> web.Response:
 async def proxy_session(request: web.Request) -> web.StreamResponse:
     """The session's app under an API path (API-key auth; the key never reaches the app)."""
     tenant = current_key(request).id
-    session = _sessions(request).get(tenant, request.match_info["name"])
+    session = await _sessions(request).find(tenant, request.match_info["name"])
     if not session.sandbox_id:
         raise NotFound(f"session {session.name!r} has no sandbox yet", code="session_not_ready")
     require_previewable(session.port)  # also for a row written before the PUT refused it

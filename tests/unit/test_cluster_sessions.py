@@ -204,10 +204,15 @@ async def test_publish_writes_only_absent_names() -> None:
     etcd = FakeEtcd()
     a, b = (SessionNames(etcd, KEYS, h) for h in ("host-a", "host-b"))  # type: ignore[arg-type]
     assert await b.reserve("taken", "key9") is None
-    await a.publish([("mine", "key1", "sbx1"), ("taken", "key1", "sbx2")])
+    await a.publish([_row("mine", "key1", "sbx1"), _row("taken", "key1", "sbx2")])
     held = {k: SessionRecord.decode(v.value) for k, v in etcd.kvs.items()}
     assert held[KEYS.session("mine").encode()] == SessionRecord("mine", "key1", "host-a", "sbx1")
     assert held[KEYS.session("taken").encode()].host == "host-b"
+
+
+def _row(name: str, tenant: str, sandbox_id: str) -> dict[str, Any]:
+    return {"name": name, "tenant": tenant, "sandbox_id": sandbox_id, "port": 8000,
+            "start": None, "start_state": "none", "start_pid": None}
 
 
 # -- the session service with fleet names --------------------------------------------------
@@ -249,7 +254,7 @@ async def test_the_session_service_reserves_before_it_inserts(tmp_path: Any) -> 
     session, created = await a.ensure("key1", "app", sessions.SessionSpec())
     assert created and session.sandbox_id == "sbx0"
     assert SessionRecord.decode((await etcd.get(KEYS.session("app"))).value) == \
-        SessionRecord("app", "key1", "host-a", "sbx0")
+        SessionRecord("app", "key1", "host-a", "sbx0", 8000, None, "none", None)
     assert (await a.ensure("key1", "app", sessions.SessionSpec()))[1] is False
     with pytest.raises(sessions.SessionNameTaken):
         await b.ensure("key2", "app", sessions.SessionSpec())
