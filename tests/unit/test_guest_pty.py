@@ -99,8 +99,10 @@ async def test_resize_changes_stty_size(client):
 
 async def test_ctrl_c_interrupts_the_foreground_job(client):
     ws = await connect(client)
-    await ws.send_bytes(b"sleep 30\r")
-    await asyncio.sleep(0.3)
+    # The job says it runs (from the process that becomes the sleep) before ^C is sent: a
+    # fixed delay let a loaded machine send ^C before the job existed (lost, 30 s sleep).
+    await ws.send_bytes(b"sh -c 'echo job=$((20 + 1)); exec sleep 30'\r")
+    await read_until(ws, b"job=21")
     await ws.send_bytes(b"\x03")  # the terminal is the shell's controlling tty: SIGINT
     await ws.send_bytes(b"echo after=$((40 + 2))\r")
     await read_until(ws, b"after=42", timeout=5)
