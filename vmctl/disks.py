@@ -30,6 +30,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
+import json
 import os
 from pathlib import Path
 from typing import ClassVar
@@ -45,19 +46,35 @@ class DiskError(VmctlError):
     status = 500
 
 
-async def _run(*argv: str) -> None:
+async def _run(*argv: str) -> str:
+    """Run ``argv``; its stdout, or DiskError with its stderr. Killed if cancelled."""
     proc = await asyncio.create_subprocess_exec(
         *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE)
     try:
-        _, err = await proc.communicate()
+        out, err = await proc.communicate()
     except BaseException:
         if proc.returncode is None:
             proc.kill()
             await asyncio.shield(proc.wait())
         raise
     if proc.returncode != 0:
-        raise DiskError(f"{argv[0]} failed: {err.decode(errors='replace').strip()}")
+        what = " ".join(argv[:2]) if argv[0] == "qemu-img" else argv[0]
+        raise DiskError(f"{what} failed: {err.decode(errors='replace').strip()}")
+    return out.decode()
+
+
+async def backing_file(overlay: Path) -> str:
+    """The backing file a qcow2 overlay's header names ("" if none)."""
+    info = json.loads(await _run("qemu-img", "info", "--output=json", "-U", str(overlay)))
+    return str(info.get("backing-filename") or "")
+
+
+async def rebase_overlay(overlay: Path, backing: Path) -> None:
+    """Point a qcow2 overlay at ``backing`` (a qcow2 holding the same bytes: the header
+    only, ``qemu-img rebase -u``)."""
+    await _run("qemu-img", "rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b", str(backing),
+               str(overlay))
 
 
 async def create_overlay(path: Path, backing: Path, backing_format: str = "qcow2",

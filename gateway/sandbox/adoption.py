@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -47,7 +46,7 @@ from typing import Any
 from gateway.sandbox.shipped import local_bases
 from gateway.sandbox.states import State
 from gateway.store.registry import SandboxRecord
-from vmctl import network, store
+from vmctl import disks, network, store
 from vmctl.disks import DiskError
 from vmctl.errors import SnapshotError
 from vmctl.golden import Golden, load_golden_dir
@@ -131,26 +130,9 @@ def sweep(sandboxes_dir: Path) -> list[Path]:
     return gone
 
 
-async def _qemu_img(*argv: str) -> str:
-    proc = await asyncio.create_subprocess_exec(
-        "qemu-img", *argv, stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    try:
-        out, err = await proc.communicate()
-    except BaseException:
-        if proc.returncode is None:
-            proc.kill()
-            await asyncio.shield(proc.wait())
-        raise
-    if proc.returncode != 0:
-        raise DiskError(f"qemu-img {argv[0]} failed: {err.decode(errors='replace').strip()}")
-    return out.decode()
-
-
 async def backing_file(overlay: Path) -> str:
     """The backing file a qcow2 overlay's header names."""
-    info = json.loads(await _qemu_img("info", "--output=json", "-U", str(overlay)))
-    return str(info.get("backing-filename") or "")
+    return await disks.backing_file(overlay)
 
 
 async def _rewrite(staging: Path, root: Path, sandbox_id: str, golden: Golden,
@@ -166,8 +148,7 @@ async def _rewrite(staging: Path, root: Path, sandbox_id: str, golden: Golden,
 
     if plan.overlay is not None:
         disk = golden.snapshot.disk.resolve()
-        await _qemu_img("rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b", str(disk),
-                        str(here(plan.overlay)))
+        await disks.rebase_overlay(here(plan.overlay), disk)
     files = {}
     for role, entry in plan.files.items():
         entry = dict(entry)

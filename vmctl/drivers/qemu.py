@@ -255,16 +255,8 @@ class QemuDriver(Driver):
         mirror ended before the stream's last part was sent) and let the guest run."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while True:
-            info = await self._qmp.execute("query-migrate")
-            status = info.get("status")
-            if status == "completed":
-                break
-            if status in ("failed", "cancelled"):
-                raise MigrationError(f"incoming migration {status}: {info.get('error-desc', '')}")
-            if loop.time() > deadline:
-                raise VMTimeoutError(f"incoming migration did not finish within {timeout}s")
-            await asyncio.sleep(_MIGRATION_POLL_S * 5)
+        await self._wait_migration(timeout, MigrationError, "incoming migration",
+                                   _MIGRATION_POLL_S * 5)
         await self._qmp.execute("nbd-server-stop")
         await self._wait_running(timeout=max(1.0, deadline - loop.time()),
                                  before_resume=before_resume)
@@ -527,7 +519,10 @@ class QemuDriver(Driver):
                 raise VMTimeoutError(f"restore did not finish within {timeout}s")
             await asyncio.sleep(_MIGRATION_POLL_S)
 
-    async def _wait_migration(self, timeout: float) -> None:
+    async def _wait_migration(self, timeout: float, error: type[Exception] = SnapshotError,
+                              what: str = "snapshot", poll: float = _MIGRATION_POLL_S) -> None:
+        """Until QEMU's migration stream (a snapshot written, or an incoming move loaded)
+        completes: ``error`` if it failed, VMTimeoutError after ``timeout``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
@@ -536,10 +531,11 @@ class QemuDriver(Driver):
             if status == "completed":
                 return
             if status in ("failed", "cancelled"):
-                raise SnapshotError(f"migration {status}: {info.get('error-desc', '')}")
+                name = "migration" if what == "snapshot" else what
+                raise error(f"{name} {status}: {info.get('error-desc', '')}")
             if loop.time() > deadline:
-                raise VMTimeoutError(f"snapshot did not finish within {timeout}s")
-            await asyncio.sleep(_MIGRATION_POLL_S)
+                raise VMTimeoutError(f"{what} did not finish within {timeout}s")
+            await asyncio.sleep(poll)
 
 
 def _event_time(event: dict) -> float:
