@@ -68,6 +68,15 @@ def _take_terminal() -> None:
     # Runs in the child after setsid() and the dup2s: make stdin (the slave) the
     # controlling terminal. Only an ioctl: safe after fork even with threads about.
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    # A terminal's shell starts with no signal blocked and ^C/^\ doing what they do,
+    # whatever its parent inherited: a blocked or ignored SIGINT is passed on by exec,
+    # and ^C would then interrupt nothing.
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGTSTP):
+        try:
+            signal.signal(sig, signal.SIG_DFL)
+        except ValueError:  # not the main thread: the mask is reset all the same
+            pass
 
 
 class Pty:
