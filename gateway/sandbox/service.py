@@ -195,13 +195,7 @@ class SandboxService:
         shape = shape or resources.Shape(golden.vcpus, golden.mem_mib, golden.disk_mib)
         quotas.check_create(tenant, limits, self.tenant_usage(tenant, measure_disk=bool(
             limits.max_disk_mib)), self._counted_disk(golden, shape))
-        used = self.registry.used_slots() | self._claimed_slots
-        if len(used) >= self.config.sandbox.max_sandboxes:
-            raise Unavailable(f"this host is at its limit of {self.config.sandbox.max_sandboxes} "
-                              "sandboxes", code="sandbox_limit", headers={"Retry-After": "30"})
-        slot = self._free_slot(used)
-        if slot is None:
-            raise Unavailable("network address pool exhausted", code="sandbox_limit")
+        slot = self._next_slot()
         sandbox_id = secrets.token_hex(8)
         now = time.time()
         rec = SandboxRecord(
@@ -218,13 +212,7 @@ class SandboxService:
         """Take a network slot before its sandbox's row exists (an adoption makes the
         namespace first: gateway.sandbox.adoption); ``release_slot`` once the row holds
         it, or on failure. Unavailable when none is free."""
-        used = self.registry.used_slots() | self._claimed_slots
-        if len(used) >= self.config.sandbox.max_sandboxes:
-            raise Unavailable(f"this host is at its limit of {self.config.sandbox.max_sandboxes} "
-                              "sandboxes", code="sandbox_limit", headers={"Retry-After": "30"})
-        slot = self._free_slot(used)
-        if slot is None:
-            raise Unavailable("network address pool exhausted", code="sandbox_limit")
+        slot = self._next_slot()
         self._claimed_slots.add(slot)
         return slot
 
@@ -240,10 +228,7 @@ class SandboxService:
                            code="conflict")
         if self.registry.get(fields["id"]) is not None:
             raise Conflict(f"sandbox {fields['id']} is already known here", code="conflict")
-        used = self.registry.used_slots() | self._claimed_slots
-        slot = self._free_slot(used) if len(used) < self.config.sandbox.max_sandboxes else None
-        if slot is None:
-            raise Unavailable("this host has no room for another sandbox", code="sandbox_limit")
+        slot = self._next_slot()
         now = time.time()
         rec = SandboxRecord(state=State.CREATING, slot=slot,
                             root=str(self.sandboxes_dir / fields["id"]), host=self.registry.host,
@@ -251,6 +236,18 @@ class SandboxService:
         self.registry.insert_sandbox(rec)
         self.golden_for(rec)  # loadable, before any VMM starts
         return rec
+
+    def _next_slot(self) -> int:
+        """The slot a new row (or claim) takes: Unavailable at the host's sandbox limit or
+        when the pool is exhausted. Synchronous: no two callers can get the same one."""
+        used = self.registry.used_slots() | self._claimed_slots
+        if len(used) >= self.config.sandbox.max_sandboxes:
+            raise Unavailable(f"this host is at its limit of {self.config.sandbox.max_sandboxes} "
+                              "sandboxes", code="sandbox_limit", headers={"Retry-After": "30"})
+        slot = self._free_slot(used)
+        if slot is None:
+            raise Unavailable("network address pool exhausted", code="sandbox_limit")
+        return slot
 
     def _free_slot(self, used: set[int]) -> int | None:
         """Lowest slot no sandbox of ours holds and whose host interface does not exist
